@@ -1,0 +1,94 @@
+"""mccl's settings from the environment (the only module that reads it) and argument checks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+ASYNC_INIT = "MCCL_ASYNC_INIT"
+"""Set to 0 to make ``mccl.init_process_group`` the stock blocking path."""
+
+INIT_TIMEOUT = "MCCL_INIT_TIMEOUT"
+"""Seconds to wait for every rank to arrive before failing (default 300)."""
+
+DEFAULT_INIT_TIMEOUT_S = 300.0
+
+
+def async_init_enabled(requested: bool) -> bool:
+    """The argument, unless ``MCCL_ASYNC_INIT`` turns asynchronous initialisation off."""
+    value = os.environ.get(ASYNC_INIT, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value not in ("", "1", "true", "yes", "on"):
+        raise ValueError(f"{ASYNC_INIT}={value!r} is not a boolean; use 0 or 1")
+    return requested
+
+
+def _seconds(value: float | datetime.timedelta, name: str) -> float:
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+    if seconds <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class InitRequest:
+    """Everything the background initialisation needs, resolved in the caller's thread.
+
+    Resolving early means a bad argument raises at the call, not later at first use.
+    """
+
+    backend: str
+    init_method: str
+    rank: int
+    world_size: int
+    timeout: datetime.timedelta
+    init_timeout_s: float
+
+
+def resolve_request(
+    backend: str | None,
+    init_method: str | None,
+    rank: int | None,
+    world_size: int | None,
+    timeout: float | datetime.timedelta | None,
+    init_timeout: float | datetime.timedelta | None,
+) -> InitRequest:
+    """Fill defaults from arguments, then torchrun's environment, then npu_core's detection."""
+    from npu_core.device import comm_backend
+
+    init_method = init_method or "env://"
+    rank = _int_from(rank, "RANK", "rank")
+    world_size = _int_from(world_size, "WORLD_SIZE", "world_size")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if init_timeout is None:
+        init_timeout = float(os.environ.get(INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S))
+    init_timeout_s = _seconds(init_timeout, "init_timeout")
+    pg_timeout = datetime.timedelta(seconds=_seconds(timeout, "timeout")) if timeout else None
+    return InitRequest(
+        backend=str(backend or comm_backend().value),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=pg_timeout or datetime.timedelta(minutes=30),
+        init_timeout_s=init_timeout_s,
+    )
+
+
+def _int_from(value: int | None, variable: str, argument: str) -> int:
+    if value is not None:
+        return int(value)
+    raw = os.environ.get(variable)
+    if raw is None:
+        raise ValueError(
+            f"{argument} was not given and {variable} is not set: pass {argument}=... "
+            "or start the process with torchrun"
+        )
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{variable}={raw!r} is not an integer") from None

@@ -1,0 +1,296 @@
+"""Benchmark helpers shared by every package's benchmarks: timing, A/B comparison, result tables.
+
+Accelerator work is asynchronous, so timings synchronise the device before reading the clock;
+otherwise they measure how fast kernels are queued, not how fast they run. Results are written
+as JSON (for tooling) and Markdown (for humans) with an environment block that identifies the
+software and hardware but never the machine (no hostnames, no paths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from npu_core.device import detect_backend, device_module
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock samples of repeated calls, in seconds, with order statistics.
+
+    The median and interquartile range are the numbers to report: unlike mean and stdev they
+    are not dragged by the occasional sample hit by a GC pause or a noisy neighbour.
+    """
+
+    samples: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        # Accept any sequence but store a tuple, so a Timing cannot change after the fact.
+        object.__setattr__(self, "samples", tuple(self.samples))
+        if not self.samples:
+            raise ValueError("Timing needs at least one sample")
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples)
+
+    @property
+    def stdev(self) -> float:
+        """Sample standard deviation; 0.0 for a single sample."""
+        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples)
+
+    def _quartiles(self) -> tuple[float, float]:
+        if len(self.samples) == 1:
+            return self.samples[0], self.samples[0]
+        p25, _, p75 = statistics.quantiles(self.samples, n=4, method="inclusive")
+        return p25, p75
+
+    @property
+    def p25(self) -> float:
+        return self._quartiles()[0]
+
+    @property
+    def p75(self) -> float:
+        return self._quartiles()[1]
+
+    @property
+    def iqr(self) -> float:
+        p25, p75 = self._quartiles()
+        return p75 - p25
+
+    def to_dict(self) -> dict[str, Any]:
+        """Statistics and raw samples, in seconds, ready for JSON."""
+        names = ("median", "mean", "stdev", "min", "max", "p25", "p75", "iqr")
+        return {name: getattr(self, name) for name in names} | {"samples": list(self.samples)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Timings of a baseline and a candidate measured in interleaved rounds."""
+
+    baseline: Timing
+    candidate: Timing
+    ratios: tuple[float, ...]
+    """Per-round baseline time / candidate time."""
+
+    @property
+    def speedup(self) -> float:
+        """median(baseline) / median(candidate); above 1 means the candidate is faster."""
+        return _ratio(self.baseline.median, self.candidate.median)
+
+    @property
+    def ratio_median(self) -> float:
+        """Median of per-round ratios: robust to drift, since both sides of a round share it."""
+        return statistics.median(self.ratios)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "baseline": self.baseline.to_dict(),
+            "candidate": self.candidate.to_dict(),
+            "speedup": self.speedup,
+            "ratio_median": self.ratio_median,
+        }
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else math.inf
+
+
+def default_sync() -> Callable[[], None]:
+    """A function that waits for the detected accelerator to finish its work (no-op on cpu)."""
+    module = device_module(detect_backend())
+    if module is None:
+        return lambda: None
+    return module.synchronize
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+
+
+def _time_call(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    # Sync first too, so work queued before this call is not billed to it.
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    sync: Callable[[], None] | None = None,
+) -> Timing:
+    """Time ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (caches, compilation).
+
+    ``sync`` runs before each clock read; by default it synchronises the detected accelerator.
+    """
+    _check_counts(warmup, repeats)
+    sync = sync if sync is not None else default_sync()
+    for _ in range(warmup):
+        fn()
+    sync()
+    return Timing(tuple(_time_call(fn, sync) for _ in range(repeats)))
+
+
+def compare(
+    baseline: Callable[[], object],
+    candidate: Callable[[], object],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    sync: Callable[[], None] | None = None,
+) -> Comparison:
+    """Time ``baseline`` against ``candidate`` in ``repeats`` interleaved rounds.
+
+    Rounds alternate the order (A B, B A, ...) so clock-frequency drift, thermal throttling and
+    cache state affect both sides equally instead of biasing whichever always runs second.
+    """
+    _check_counts(warmup, repeats)
+    sync = sync if sync is not None else default_sync()
+    for _ in range(warmup):
+        baseline()
+        candidate()
+    sync()
+    base_samples: list[float] = []
+    cand_samples: list[float] = []
+    for round_index in range(repeats):
+        if round_index % 2 == 0:
+            base_samples.append(_time_call(baseline, sync))
+            cand_samples.append(_time_call(candidate, sync))
+        else:
+            cand_samples.append(_time_call(candidate, sync))
+            base_samples.append(_time_call(baseline, sync))
+    ratios = tuple(_ratio(b, c) for b, c in zip(base_samples, cand_samples, strict=True))
+    return Comparison(Timing(tuple(base_samples)), Timing(tuple(cand_samples)), ratios)
+
+
+def environment_info() -> dict[str, Any]:
+    """Software and hardware that produced a result; nothing that identifies the machine."""
+    backend = detect_backend()
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "backend": backend.value,
+        "python": platform.python_version(),
+        "platform": f"{platform.system()}-{platform.machine()}",
+        "cpu_count": os.cpu_count(),
+    }
+    module = device_module(backend)
+    if module is not None:
+        info["device_count"] = module.device_count()
+        info["device_name"] = module.get_device_name(module.current_device())
+    return info
+
+
+def _format_cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if value == 0 or not math.isfinite(value):
+            return f"{value:g}"
+        # Three significant digits, without switching to exponents for ordinary magnitudes.
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+class BenchTable:
+    """Rows of benchmark results with a title and a fixed column order."""
+
+    def __init__(
+        self, title: str, columns: Sequence[str], metadata: dict[str, Any] | None = None
+    ) -> None:
+        if not columns:
+            raise ValueError("BenchTable needs at least one column")
+        self.title = title
+        self.columns = list(columns)
+        self.metadata = dict(metadata or {})
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, **row: Any) -> None:
+        """Append a row; missing columns stay empty, unknown ones are an error (likely a typo)."""
+        unknown = sorted(set(row) - set(self.columns))
+        if unknown:
+            raise ValueError(f"unknown columns {unknown}; table columns are {self.columns}")
+        self.rows.append(dict(row))
+
+    def to_markdown(self) -> str:
+        """A GitHub-flavoured Markdown table under a heading, numeric columns right-aligned."""
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |"]
+        align = []
+        for column in self.columns:
+            values = [row[column] for row in self.rows if row.get(column) is not None]
+            numeric = bool(values) and all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in values
+            )
+            align.append("---:" if numeric else "---")
+        lines.append("| " + " | ".join(align) + " |")
+        for row in self.rows:
+            lines.append("| " + " | ".join(_format_cell(row.get(c)) for c in self.columns) + " |")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        """Title, metadata (e.g. the benchmark's settings), columns, rows, environment."""
+        return {
+            "title": self.title,
+            "metadata": self.metadata,
+            "columns": list(self.columns),
+            "rows": [{c: row.get(c) for c in self.columns} for row in self.rows],
+            "environment": environment_info(),
+        }
+
+    def write(self, out_dir: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+        """Write ``<name>.json`` and ``<name>.md`` into ``out_dir``; return their paths.
+
+        Each file is written to a temporary file in the same directory and renamed into place,
+        so a reader (or a crashed run) never sees half a result.
+        """
+        if not name or Path(name).name != name:
+            raise ValueError(f"name must be a plain file name, got {name!r}")
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # default=str keeps dtypes, enums and the like readable instead of failing the dump.
+        json_text = json.dumps(self.to_json(), indent=2, default=str) + "\n"
+        json_path = _write_atomic(out / f"{name}.json", json_text)
+        md_path = _write_atomic(out / f"{name}.md", self.to_markdown())
+        return json_path, md_path
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,108 @@
+"""Which accelerator this process uses, and which collective backend goes with it.
+
+Detection order: Ascend NPU (torch_npu importable and a device visible), then CUDA, then CPU.
+``NPU_CORE_BACKEND`` / ``NPU_CORE_COMM_BACKEND`` override the result.
+"""
+
+from __future__ import annotations
+
+import enum
+from types import ModuleType
+
+import torch
+
+from npu_core import env
+from npu_core._npu import import_torch_npu, npu_device_count
+
+
+class Backend(enum.StrEnum):
+    """Compute backends, named as torch names their device type."""
+
+    NPU = "npu"
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class CommBackend(enum.StrEnum):
+    """torch.distributed backends, one per compute backend."""
+
+    HCCL = "hccl"
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+
+_COMM_FOR = {
+    Backend.NPU: CommBackend.HCCL,
+    Backend.CUDA: CommBackend.NCCL,
+    Backend.CPU: CommBackend.GLOO,
+}
+
+
+def _parse(enum_type: type[enum.StrEnum], value: str, source: str) -> enum.StrEnum:
+    try:
+        return enum_type(value.lower())
+    except ValueError:
+        allowed = ", ".join(member.value for member in enum_type)
+        raise ValueError(
+            f"{source}={value!r} is not a valid choice; use one of: {allowed}"
+        ) from None
+
+
+def detect_backend() -> Backend:
+    """Return the compute backend of this process.
+
+    ``NPU_CORE_BACKEND`` wins when set; an override naming a backend that is not usable here
+    raises instead of failing later inside a kernel.
+    """
+    forced = env.read(env.BACKEND)
+    if forced is not None:
+        backend = _parse(Backend, forced, env.BACKEND)
+        if not is_available(backend):
+            raise RuntimeError(f"{env.BACKEND}={forced} but no {backend} device is visible here")
+        return backend
+    if npu_device_count() > 0:
+        return Backend.NPU
+    if torch.cuda.is_available():
+        return Backend.CUDA
+    return Backend.CPU
+
+
+def is_available(backend: Backend | str) -> bool:
+    """Whether ``backend`` has a usable device in this process."""
+    backend = Backend(backend)
+    if backend is Backend.NPU:
+        return npu_device_count() > 0
+    if backend is Backend.CUDA:
+        return torch.cuda.is_available()
+    return True
+
+
+def comm_backend(backend: Backend | str | None = None) -> CommBackend:
+    """Collective backend for ``backend`` (default: the detected one): hccl, nccl or gloo.
+
+    ``NPU_CORE_COMM_BACKEND`` overrides, e.g. ``gloo`` to run CPU collectives on a GPU machine.
+    """
+    forced = env.read(env.COMM_BACKEND)
+    if forced is not None:
+        return _parse(CommBackend, forced, env.COMM_BACKEND)
+    return _COMM_FOR[Backend(backend) if backend is not None else detect_backend()]
+
+
+def device_module(backend: Backend | str | None = None) -> ModuleType | None:
+    """``torch.npu`` or ``torch.cuda`` for an accelerator backend, None for the CPU."""
+    backend = Backend(backend) if backend is not None else detect_backend()
+    if backend is Backend.NPU:
+        import_torch_npu()
+        return torch.npu
+    if backend is Backend.CUDA:
+        return torch.cuda
+    return None
+
+
+def device_for_rank(local_rank: int = 0, backend: Backend | str | None = None) -> torch.device:
+    """The device a rank should use: ``npu:i`` / ``cuda:i`` (i = local rank modulo count) or cpu."""
+    backend = Backend(backend) if backend is not None else detect_backend()
+    module = device_module(backend)
+    if module is None:
+        return torch.device("cpu")
+    return torch.device(backend.value, local_rank % module.device_count())

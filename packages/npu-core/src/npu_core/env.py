@@ -1,0 +1,20 @@
+"""Environment variables read by npu_core, in one place.
+
+Every variable is read when asked for (not at import), so tests and launchers can set them late.
+"""
+
+from __future__ import annotations
+
+import os
+
+BACKEND = "NPU_CORE_BACKEND"
+"""Force the compute backend: ``npu``, ``cuda`` or ``cpu`` (default: detected)."""
+
+COMM_BACKEND = "NPU_CORE_COMM_BACKEND"
+"""Force the collective backend: ``hccl``, ``nccl`` or ``gloo`` (default: follows the backend)."""
+
+
+def read(name: str) -> str | None:
+    """Return the stripped value of ``name``, or None when it is unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None

@@ -1,0 +1,133 @@
+"""npu_core.bench: timing statistics, interleaved comparison and result tables."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+
+from npu_core import bench
+
+SAMPLES = (0.5, 0.1, 0.3, 0.9, 0.2, 0.4, 0.7)
+
+
+def test_timing_statistics_match_statistics_module():
+    """Every statistic agrees with the standard library on known samples."""
+    timing = bench.Timing(SAMPLES)
+    q1, _, q3 = statistics.quantiles(SAMPLES, n=4, method="inclusive")
+    assert timing.median == statistics.median(SAMPLES) == 0.4
+    assert timing.mean == pytest.approx(statistics.mean(SAMPLES))
+    assert timing.stdev == pytest.approx(statistics.stdev(SAMPLES))
+    assert (timing.min, timing.max) == (0.1, 0.9)
+    assert (timing.p25, timing.p75) == pytest.approx((q1, q3))
+    assert timing.iqr == pytest.approx(q3 - q1)
+    as_dict = timing.to_dict()
+    assert as_dict["samples"] == list(SAMPLES)
+    assert as_dict["median"] == 0.4
+
+
+def test_timing_single_sample_and_empty():
+    """One sample has zero spread; no samples is an error."""
+    single = bench.Timing((0.25,))
+    assert (single.stdev, single.iqr, single.p25, single.p75) == (0.0, 0.0, 0.25, 0.25)
+    with pytest.raises(ValueError, match="at least one sample"):
+        bench.Timing(())
+
+
+def test_measure_counts_calls_and_syncs():
+    """warmup + repeats calls; sync runs around every timed call; samples cover the work."""
+    calls: list[str] = []
+
+    def fn() -> None:
+        calls.append("fn")
+        time.sleep(0.002)
+
+    timing = bench.measure(fn, warmup=3, repeats=4, sync=lambda: calls.append("sync"))
+    assert calls.count("fn") == 7
+    assert len(timing.samples) == 4
+    assert calls.count("sync") >= 2 * 4
+    assert calls[-1] == "sync"  # the clock is read only after the last sync
+    assert timing.min >= 0.0015
+
+
+@pytest.mark.parametrize("func", [bench.measure, lambda fn, **kw: bench.compare(fn, fn, **kw)])
+def test_bad_counts_name_the_argument(func):
+    """repeats < 1 and warmup < 0 raise ValueError naming the argument and its value."""
+    with pytest.raises(ValueError, match=r"repeats must be >= 1, got 0"):
+        func(lambda: None, repeats=0)
+    with pytest.raises(ValueError, match=r"warmup must be >= 0, got -1"):
+        func(lambda: None, warmup=-1)
+
+
+def test_compare_interleaves_and_reports_speedup():
+    """A 6 ms baseline vs a 2 ms candidate is about 3x faster, by both estimators."""
+    order: list[str] = []
+
+    def slow() -> None:
+        order.append("A")
+        time.sleep(0.006)
+
+    def fast() -> None:
+        order.append("B")
+        time.sleep(0.002)
+
+    result = bench.compare(slow, fast, warmup=1, repeats=6, sync=lambda: None)
+    assert order == ["A", "B"] + ["A", "B", "B", "A"] * 3
+    assert len(result.baseline.samples) == len(result.candidate.samples) == len(result.ratios) == 6
+    assert 1.5 < result.speedup < 4.0
+    assert 1.5 < result.ratio_median < 4.0
+    assert result.to_dict()["speedup"] == result.speedup
+
+
+def test_markdown_formats_header_rows_and_numbers():
+    """Header text as given, numeric columns right-aligned, floats with 3 significant digits."""
+    table = bench.BenchTable("Copy speed", ["case", "time (ms)", "count"])
+    table.add(case="small", **{"time (ms)": 0.123456}, count=3)
+    table.add(case="big|one", **{"time (ms)": 1234.5678})
+    lines = table.to_markdown().splitlines()
+    assert lines[0] == "### Copy speed"
+    assert lines[2] == "| case | time (ms) | count |"
+    assert lines[3] == "| --- | ---: | ---: |"
+    assert lines[4] == "| small | 0.123 | 3 |"
+    assert lines[5] == "| big\\|one | 1235 |  |"
+
+
+def test_add_rejects_unknown_columns():
+    """A misspelt column is an error rather than a silently dropped value."""
+    table = bench.BenchTable("t", ["a"])
+    with pytest.raises(ValueError, match=r"unknown columns \['b'\]"):
+        table.add(a=1, b=2)
+
+
+def test_write_is_atomic_and_parseable(tmp_path):
+    """write() leaves exactly the two result files: valid JSON and the same Markdown table."""
+    table = bench.BenchTable("Results", ["name", "ms"])
+    table.add(name="x", ms=1.5)
+    table.add(name="y")
+    json_path, md_path = table.write(tmp_path / "out", "copy")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["copy.json", "copy.md"]
+    data = json.loads(json_path.read_text())
+    assert data["title"] == "Results"
+    assert data["columns"] == ["name", "ms"]
+    assert data["rows"] == [{"name": "x", "ms": 1.5}, {"name": "y", "ms": None}]
+    assert md_path.read_text() == table.to_markdown()
+    with pytest.raises(ValueError, match="plain file name"):
+        table.write(tmp_path, "../escape")
+
+
+def test_environment_info_identifies_software_not_machine():
+    """The environment block has versions and counts, never the hostname or a path."""
+    import os
+    import socket
+
+    info = bench.environment_info()
+    assert {"torch", "backend", "python", "cpu_count"} <= set(info)
+    text = json.dumps(info)
+    host = socket.gethostname()
+    assert host not in info.values()
+    if len(host) >= 6:  # a very short name could match inside an unrelated value
+        assert host not in text
+    assert os.getcwd() not in text
+    assert os.path.expanduser("~") not in text

@@ -1,0 +1,55 @@
+"""npu_core.device: backend detection, comm backend mapping and environment overrides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npu_core import device, env
+
+
+def test_detect_backend_matches_what_torch_sees(monkeypatch):
+    """Without overrides the backend is cuda when torch sees a GPU, else cpu (no NPU here)."""
+    monkeypatch.delenv(env.BACKEND, raising=False)
+    expected = device.Backend.CUDA if torch.cuda.is_available() else device.Backend.CPU
+    if device.is_available(device.Backend.NPU):
+        expected = device.Backend.NPU
+    assert device.detect_backend() is expected
+
+
+@pytest.mark.parametrize(("backend", "comm"), [("cpu", "gloo"), ("cuda", "nccl"), ("npu", "hccl")])
+def test_comm_backend_follows_compute_backend(monkeypatch, backend, comm):
+    """Each compute backend maps to its collective library."""
+    monkeypatch.delenv(env.COMM_BACKEND, raising=False)
+    assert device.comm_backend(backend) == comm
+
+
+def test_comm_backend_override_wins(monkeypatch):
+    """NPU_CORE_COMM_BACKEND replaces the mapping, e.g. gloo on a GPU machine."""
+    monkeypatch.setenv(env.COMM_BACKEND, "GLOO")
+    assert device.comm_backend("cuda") is device.CommBackend.GLOO
+
+
+def test_backend_override_rejects_unknown_name(monkeypatch):
+    """A typo in the override names the variable, the value and the allowed choices."""
+    monkeypatch.setenv(env.BACKEND, "tpu")
+    with pytest.raises(ValueError, match=r"NPU_CORE_BACKEND='tpu'.*npu, cuda, cpu"):
+        device.detect_backend()
+
+
+def test_backend_override_rejects_missing_device(monkeypatch):
+    """Forcing an accelerator that is not present fails at once, not inside a kernel."""
+    missing = next((b for b in ("npu", "cuda") if not device.is_available(b)), None)
+    if missing is None:
+        pytest.skip("every accelerator is present")
+    monkeypatch.setenv(env.BACKEND, missing)
+    with pytest.raises(RuntimeError, match=f"no {missing} device"):
+        device.detect_backend()
+
+
+def test_cpu_override_and_device_for_rank(monkeypatch):
+    """Forcing cpu always works and places every rank on the cpu device."""
+    monkeypatch.setenv(env.BACKEND, "cpu")
+    assert device.detect_backend() is device.Backend.CPU
+    assert device.device_module() is None
+    assert device.device_for_rank(3) == torch.device("cpu")

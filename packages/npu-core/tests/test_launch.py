@@ -1,0 +1,118 @@
+"""npu_core.dist.launch: results, failures, deaths and timeouts across real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from npu_core.dist import LaunchTimeoutError, RankExitedError, RemoteTraceback, launch
+
+pytestmark = pytest.mark.distributed
+
+
+def _sum_of_ranks(scale: int) -> tuple[int, int, float]:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item() * scale
+
+
+def _fail_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        raise KeyError("boom on rank one")
+    dist.barrier()  # rank 0 would wait here forever without termination
+    return 0
+
+
+def _die_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        os._exit(7)
+    time.sleep(60)
+
+
+def _hang() -> None:
+    time.sleep(60)
+
+
+def _env_without_group() -> tuple[bool, str, str]:
+    return dist.is_initialized(), os.environ["RANK"], os.environ["MASTER_ADDR"]
+
+
+def _unpicklable_error() -> None:
+    class Local(Exception):
+        pass
+
+    raise Local("cannot cross a process boundary")
+
+
+def test_launch_returns_each_rank_value_in_rank_order():
+    """Every rank's return value comes back, indexed by rank, after a real all_reduce."""
+    assert launch(_sum_of_ranks, 3, 10) == [(r, 3, 30.0) for r in range(3)]
+
+
+def test_launch_reraises_first_failure_with_remote_traceback():
+    """The failing rank's own exception type is raised; the remote traceback is its cause."""
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="boom on rank one") as info:
+        launch(_fail_on_rank_one, 2, timeout=60)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert cause.rank == 1
+    assert "_fail_on_rank_one" in str(cause)
+    assert time.monotonic() - start < 30, "the surviving rank must be terminated, not awaited"
+
+
+def test_launch_reports_rank_that_died_without_result():
+    """A rank killed or exiting early is reported with its exit code, well before the timeout."""
+    start = time.monotonic()
+    with pytest.raises(RankExitedError, match="rank 1 exited with code 7"):
+        launch(_die_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_launch_times_out_instead_of_hanging():
+    """A hung run raises LaunchTimeoutError naming the unfinished ranks."""
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError, match=r"ranks \[0, 1\] of 2"):
+        launch(_hang, 2, timeout=3)
+    assert time.monotonic() - start < 15
+
+
+def test_launch_without_backend_sets_torchrun_env_only():
+    """backend=None leaves initialisation to the function but still sets torchrun's variables."""
+    assert launch(_env_without_group, 2, backend=None) == [
+        (False, "0", "127.0.0.1"),
+        (False, "1", "127.0.0.1"),
+    ]
+
+
+def test_launch_wraps_exceptions_that_do_not_pickle():
+    """An exception class local to the rank still surfaces, as RankFailedError with its text."""
+    with pytest.raises(RuntimeError, match="cannot cross a process boundary"):
+        launch(_unpicklable_error, 1, backend=None)
+
+
+@pytest.mark.parametrize(("world_size", "timeout"), [(0, 10.0), (2, 0.0)])
+def test_launch_rejects_bad_arguments(world_size, timeout):
+    """world_size < 1 and timeout <= 0 are refused up front, naming the argument."""
+    with pytest.raises(ValueError, match=r"world_size|timeout"):
+        launch(_hang, world_size, timeout=timeout)
+
+
+def _world_seen_by_run() -> list[tuple[int, int]]:
+    from npu_core.dist import is_torchrun, run
+
+    assert is_torchrun()
+    return run(_rank_and_world, 99)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_run_joins_torchrun_job_instead_of_spawning():
+    """Under torchrun's variables, run() initialises from env:// and runs fn in this process."""
+    assert launch(_world_seen_by_run, 2, backend=None) == [[(0, 2)], [(1, 2)]]
