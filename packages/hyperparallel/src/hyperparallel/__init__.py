@@ -1,0 +1,7 @@
+"""hyperparallel: distributed Muon on FSDP2/HSDP and the ``hyperparallel train`` job."""
+
+from importlib.metadata import version
+
+__version__ = version("hyperparallel")
+
+__all__ = ["__version__"]

@@ -1,0 +1,50 @@
+"""The start-up benchmark: real measurements on 2 ranks, and the CLI's argument checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mccl.bench import StartupBenchConfig, measure_startup, results_table
+from mccl.cli import app
+
+pytestmark = pytest.mark.distributed
+
+
+def test_startup_bench_measures_both_paths_with_device_init():
+    """Both paths include the simulated device init; mccl overlaps it with initialisation."""
+    cfg = StartupBenchConfig(ranks=(2,), rounds=3, calibration_rounds=1, device_init_ms=300.0)
+    (result,) = measure_startup(cfg)
+    assert result.ranks == 2
+    assert result.device_s == pytest.approx(0.3)
+    assert result.sync_s >= result.device_s + result.init_s * 0.5
+    assert result.device_s <= result.mccl_s < result.sync_s
+    assert result.overlap_ratio < 1.5
+
+
+def test_results_table_writes_json_and_markdown(tmp_path):
+    """The table carries the settings and one row per world size."""
+    cfg = StartupBenchConfig(ranks=(2,), rounds=1, calibration_rounds=1, device_init_ms=10.0)
+    table = results_table(cfg, measure_startup(cfg))
+    json_path, md_path = table.write(tmp_path, "startup")
+    data = json.loads(json_path.read_text())
+    assert data["metadata"]["ranks"] == [2]
+    assert [row["ranks"] for row in data["rows"]] == [2]
+    assert "| ranks |" in md_path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ranks", "1"], "world sizes >= 2"),
+        (["--device-init", "gpu"], "'sleep' or 'compute'"),
+        (["--rounds", "0"], "must be >= 1"),
+    ],
+)
+def test_cli_rejects_bad_options_naming_them(args, message):
+    """Bad options fail before any rank starts, with a message naming the allowed values."""
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code != 0
+    assert message in result.output
