@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -105,7 +106,18 @@ def test_memory_stats_on_cpu_track_rss():
     assert after.peak_allocated_bytes >= after.allocated_bytes
     assert after.host_rss_bytes == pytest.approx(after.allocated_bytes, rel=0.05)
     del big
-    memory.reset_peak_memory_stats("cpu")  # documented no-op; must not raise
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux procfs")
+def test_cpu_peak_resets_on_linux():
+    """After freeing a big tensor, reset brings the cpu peak back near the current RSS."""
+    big = torch.ones(300 * 2**20, dtype=torch.uint8)
+    del big
+    high = memory.memory_stats("cpu").peak_allocated_bytes
+    memory.reset_peak_memory_stats("cpu")
+    low = memory.memory_stats("cpu")
+    assert low.peak_allocated_bytes < high - 200 * 2**20
+    assert low.peak_allocated_bytes >= low.allocated_bytes * 0.9
 
 
 def test_memory_stats_is_frozen():

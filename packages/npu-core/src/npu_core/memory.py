@@ -8,6 +8,7 @@ once per buffer shape instead of once per copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -122,7 +123,8 @@ class MemoryStats:
 
     On cpu there is no allocator to ask, so ``allocated_bytes`` and ``reserved_bytes`` are both
     the process's resident set size (which also counts code and Python objects), and
-    ``peak_allocated_bytes`` is the process's peak RSS, which the OS never resets.
+    ``peak_allocated_bytes`` is the process's peak RSS since start or, on Linux, since the last
+    :func:`reset_peak_memory_stats`.
 
     ``host_rss_bytes`` is the process's current resident set size on every backend.
     """
@@ -146,6 +148,13 @@ def _backend_and_device(device: torch.device | str | None) -> tuple[Backend, tor
 
 
 def _peak_rss_bytes() -> int:
+    try:  # Linux: VmHWM, which clear_refs can reset (ru_maxrss cannot be)
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kilobytes, macOS bytes.
     return peak if sys.platform == "darwin" else peak * 1024
@@ -178,8 +187,12 @@ def memory_stats(device: torch.device | str | None = None) -> MemoryStats:
 
 
 def reset_peak_memory_stats(device: torch.device | str | None = None) -> None:
-    """Restart the device allocator's peak tracking; a no-op on cpu, whose peak RSS is fixed."""
+    """Restart peak tracking: the device allocator's on cuda/npu, the peak RSS on Linux cpu
+    (elsewhere the OS keeps the process's all-time peak)."""
     backend, dev = _backend_and_device(device)
     module = device_module(backend)
     if module is not None:
         module.reset_peak_memory_stats(dev)
+        return
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # 5: reset the peak resident set size to the current one

@@ -115,9 +115,10 @@ def _dumps_or_error(value: Any, rank: int) -> bytes:
 
 def _context() -> multiprocessing.context.BaseContext:
     # forkserver with torch preloaded: each rank starts in ~0.1 s instead of re-importing torch
-    # (~2 s here), and unlike fork it never inherits the parent's threads or device state.
+    # (2-5 s here) and DTensor (another ~3 s), and unlike fork it never inherits the parent's
+    # threads or device state.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
     return ctx
 
 
@@ -199,9 +200,25 @@ def _collect(procs: list[Any], results: Any, timeout: float) -> list[Any]:
         if status == "error":
             exc_payload, formatted = payload
             exc = pickle.loads(exc_payload)
-            raise exc from RemoteTraceback(rank, formatted)
+            exc.__cause__ = RemoteTraceback(rank, formatted)
+            # A peer's "connection closed" is a symptom; a rank that died silently is the cause.
+            dead = _silently_dead(procs, values, rank)
+            if dead is not None:
+                raise dead from exc
+            raise exc
         values[rank] = pickle.loads(payload)
     return [values[rank] for rank in range(len(procs))]
+
+
+def _silently_dead(procs: list[Any], values: dict[int, Any], reporter: int) -> RankExitedError | None:
+    time.sleep(0.05)  # let the dying rank's exit status settle
+    for rank, proc in enumerate(procs):
+        if rank != reporter and rank not in values and proc.exitcode not in (None, 0):
+            return RankExitedError(
+                f"rank {rank} exited with code {proc.exitcode} without reporting a result "
+                f"(rank {reporter} failed next, see the chained exception)"
+            )
+    return None
 
 
 def _check_exits(procs: list[Any], values: dict[int, Any], results: Any) -> None:

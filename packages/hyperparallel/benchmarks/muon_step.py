@@ -1,0 +1,217 @@
+"""Benchmark: one Muon optimizer step on FSDP2 parameters, 4 CPU ranks, three ways.
+
+(a) torch.optim.Muon on the DTensor parameters (its matmuls redistribute implicitly);
+(b) the common workaround: every rank gathers every whole matrix (``full_tensor()``), runs NS on
+    all of them, and keeps its own rows;
+(c) hyperparallel Muon: each matrix orthogonalised once in the job, packed gathers, overlap.
+Plus a batched-NS micro-benchmark: the strategy ``orthogonalize`` picks versus a plain loop.
+
+Run: ``uv run nox -s bench`` or ``uv run python packages/hyperparallel/benchmarks/muon_step.py
+--out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hyperparallel.models.parallelize import build_mesh
+from hyperparallel.optim import Muon
+from hyperparallel.optim import newton_schulz as ns
+from hyperparallel.optim.plan import shard_rows
+from npu_core.bench import BenchTable, compare
+from npu_core.dist import launch
+from npu_core.memory import memory_stats, reset_peak_memory_stats
+
+WORLD = 4
+STEPS_NS = 5
+REPEATS = 7
+
+
+class MixedModel(nn.Module):
+    """Hidden matrices of several shapes (rows not all divisible by 4) and optional experts."""
+
+    def __init__(self, experts: bool) -> None:
+        super().__init__()
+        shapes = [(256, 256)] * 6 + [(512, 128)] * 3 + [(128, 512)] * 3 + [(96, 250)] * 4
+        self.mats = nn.ParameterList(nn.Parameter(torch.randn(s) * 0.02) for s in shapes)
+        if experts:
+            self.experts = nn.ParameterList(
+                nn.Parameter(torch.randn(8, 128, 256) * 0.02) for _ in range(2)
+            )
+
+
+def _ns_flops(rows: int, cols: int) -> int:
+    m, n = min(rows, cols), max(rows, cols)
+    return STEPS_NS * (4 * m * m * n + 2 * m**3)
+
+
+class _GatherEverything:
+    """Workaround (b) as a Muon engine: whole matrices everywhere, NS everywhere, keep own rows."""
+
+    def __init__(self, opt: Muon) -> None:
+        self.opt, self.matrices = opt, 0
+
+    def __call__(self, updates: list[DTensor], params: list[DTensor]) -> list[DTensor]:
+        full = [u.full_tensor() for u in updates]
+        flat = [f if f.ndim == 3 else f.reshape(f.shape[0], -1) for f in full]
+        self.matrices += sum(f.shape[0] if f.ndim == 3 else 1 for f in flat)
+        outs = self.opt.orthogonalize_matrices(flat)
+        results = []
+        for u, out in zip(updates, outs, strict=True):
+            rank = u.device_mesh.get_local_rank(u.device_mesh.ndim - 1)
+            splits = shard_rows(u.shape[0], u.device_mesh.size(u.device_mesh.ndim - 1))
+            start = sum(splits[:rank])
+            local = out.reshape(u.shape)[start : start + splits[rank]]
+            results.append(
+                DTensor.from_local(
+                    local,
+                    u.device_mesh,
+                    u.placements,
+                    run_check=False,
+                    shape=u.shape,
+                    stride=u.stride(),
+                )
+            )
+        return results
+
+
+def _rank(experts: bool) -> dict:
+    torch.manual_seed(0)
+    model = MixedModel(experts)
+    fully_shard(model, mesh=build_mesh((WORLD,), "cpu"))
+    params = list(model.parameters())
+    grads = [distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements) for p in params]
+    variants = {"hyperparallel": Muon(params, lr=0.02), "gather-all": Muon(params, lr=0.02)}
+    gather_all = _GatherEverything(variants["gather-all"])
+    variants["gather-all"]._engine = gather_all
+    if not experts:  # torch.optim.Muon accepts 2-D parameters only
+        variants["torch.optim.Muon"] = torch.optim.Muon(params, lr=0.02, adjust_lr_fn="original")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    peaks: dict[str, float] = {}
+    for repeat in range(REPEATS + 1):
+        for name, opt in variants.items():
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            dist.barrier()
+            reset_peak_memory_stats("cpu")
+            before = memory_stats("cpu").allocated_bytes
+            start = time.perf_counter()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            extra = memory_stats("cpu").peak_allocated_bytes - before
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if repeat:  # the first round builds plans and picks NS strategies
+                times[name].append(elapsed.item())
+                peaks[name] = max(peaks.get(name, 0), extra)
+    engine = variants["hyperparallel"]._engine
+    shapes = {i: (p.shape[0], p[0].numel()) for i, p in enumerate(params) if p.ndim == 2}
+    plan = next(iter(engine._plans.values()))
+    mine = [a.index for a in plan.assignments if a.owner == dist.get_rank()]
+    expert_rows = [(i, p) for i, p in enumerate(params) if p.ndim == 3]
+    local_experts = sum(p.to_local().shape[0] for _, p in expert_rows)
+    flops_c = sum(_ns_flops(*shapes[i]) for i in mine) + sum(
+        p.to_local().shape[0] * _ns_flops(p.shape[1], p.shape[2]) for _, p in expert_rows
+    )
+    total = sum(_ns_flops(*s) for s in shapes.values()) + sum(
+        p.shape[0] * _ns_flops(p.shape[1], p.shape[2]) for _, p in expert_rows
+    )
+    return {
+        "times": {k: statistics.median(v) for k, v in times.items()},
+        "peak_mb": {k: v / 2**20 for k, v in peaks.items()},
+        "ns_matrices_c": len(mine) + local_experts,
+        "ns_matrices_b": gather_all.matrices // (REPEATS + 1),
+        "flops_c": flops_c,
+        "flops_total": total,
+    }
+
+
+def _step_table() -> BenchTable:
+    table = BenchTable(
+        f"Muon optimizer step on FSDP2, {WORLD} CPU ranks (median of {REPEATS}, slowest rank)",
+        [
+            "model",
+            "variant",
+            "step (ms)",
+            "speedup vs gather-all",
+            "speedup vs torch",
+            "NS matrices / rank",
+            "NS GFLOP / rank (max)",
+            "max / (total / world)",
+            "peak extra MB (max rank)",
+        ],
+    )
+    for experts in (False, True):
+        ranks = launch(_rank, WORLD, experts, timeout=1200)
+        label = "matrices + experts" if experts else "matrices"
+        times = ranks[0]["times"]
+        for name, seconds in times.items():
+            row = {
+                "model": label,
+                "variant": name,
+                "step (ms)": seconds * 1e3,
+                "speedup vs gather-all": times["gather-all"] / seconds,
+                "speedup vs torch": times["torch.optim.Muon"] / seconds
+                if "torch.optim.Muon" in times
+                else None,
+                "peak extra MB (max rank)": max(r["peak_mb"][name] for r in ranks),
+            }
+            if name == "hyperparallel":
+                flops = max(r["flops_c"] for r in ranks)
+                row["NS matrices / rank"] = max(r["ns_matrices_c"] for r in ranks)
+                row["NS GFLOP / rank (max)"] = flops / 1e9
+                row["max / (total / world)"] = flops / (ranks[0]["flops_total"] / WORLD)
+            elif name == "gather-all":
+                row["NS matrices / rank"] = ranks[0]["ns_matrices_b"]
+                row["NS GFLOP / rank (max)"] = ranks[0]["flops_total"] / 1e9
+                row["max / (total / world)"] = float(WORLD)
+            table.add(**row)
+    return table
+
+
+def _batching_table() -> BenchTable:
+    table = BenchTable(
+        "Batched Newton-Schulz on one CPU process: chosen strategy versus a plain loop",
+        ["matrices", "dtype", "loop (ms)", "batched (ms)", "auto (ms)", "auto / loop"],
+    )
+    keller = ns.resolve_coefficients("keller", STEPS_NS)
+    for count, shape in ((74, (24, 10240)), (200, (64, 64))):
+        mats = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(count)]
+        run = {
+            s: (lambda s=s, mats=mats: ns.orthogonalize(mats, keller, strategy=s))
+            for s in ("loop", "batched", "auto")
+        }
+        run["auto"]()  # decide once, as a training run would
+        loop_vs_auto = compare(run["loop"], run["auto"], warmup=1, repeats=5)
+        batched = compare(run["loop"], run["batched"], warmup=1, repeats=5)
+        table.add(
+            matrices=f"{count} x {list(shape)}",
+            dtype="bf16",
+            **{
+                "loop (ms)": loop_vs_auto.baseline.median * 1e3,
+                "batched (ms)": batched.candidate.median * 1e3,
+                "auto (ms)": loop_vs_auto.candidate.median * 1e3,
+                "auto / loop": 1 / loop_vs_auto.ratio_median,
+            },
+        )
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench-results/hyperparallel", help="Output folder.")
+    args = parser.parse_args()
+    for name, table in (("muon_step", _step_table()), ("ns_batching", _batching_table())):
+        table.write(args.out, name)
+        print(table.to_markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""``hyperparallel train``: the MoE transformer on FSDP2/HSDP with Muon + AdamW."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from hyperparallel.models.parallelize import parse_mesh
+from hyperparallel.train.config import TrainConfig, load_config
+from hyperparallel.train.presets import PRESETS
+from npu_core.dist import is_torchrun, run
+
+app = typer.Typer(
+    help="Parallel training for PyTorch: distributed Muon on FSDP2/HSDP.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+
+
+@app.callback()
+def _root() -> None:
+    """hyperparallel: distributed Muon, activation memory control, and a training job."""
+
+
+def _rank_main(cfg: TrainConfig, resume: bool):
+    """Entry of every rank; rank 0 draws the progress bar."""
+    import os
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hyperparallel.train.trainer import train_rank
+
+    if os.environ.get("RANK", "0") != "0":
+        return train_rank(cfg, resume)
+    columns = (
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task("train", total=cfg.steps, status="starting ranks")
+
+        def on_step(record: dict[str, float]) -> None:
+            status = (
+                f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
+                f"optim {record['optim_ms']:.0f} ms"
+            )
+            if "val_loss" in record:
+                status += f"  val {record['val_loss']:.3f}"
+            progress.update(task, completed=record["step"], status=status)
+
+        return train_rank(cfg, resume, on_step)
+
+
+@app.command()
+def train(
+    preset: Annotated[
+        str, typer.Option(help=f"Base configuration: {', '.join(PRESETS)}.")
+    ] = "default",
+    config: Annotated[Path | None, typer.Option(help="TOML file applied over the preset.")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override any field: --set model.dim=256 --set steps=50."),
+    ] = None,
+    nproc: Annotated[
+        int | None, typer.Option(help="Local ranks (default 4; torchrun's own otherwise).")
+    ] = None,
+    mesh: Annotated[str | None, typer.Option(help="'fsdp' or 'RxS' for HSDP, e.g. '2x2'.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Total optimizer steps.")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="Text file or folder (default: Python's stdlib).")
+    ] = None,
+    out_dir: Annotated[
+        str | None, typer.Option(help="Where checkpoints, metrics and plots go.")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue from the last complete checkpoint.")
+    ] = False,
+) -> None:
+    """Train the MoE transformer on N local CPU ranks (or under torchrun, unchanged).
+
+    Writes OUT_DIR/metrics.json, OUT_DIR/loss.png and DCP checkpoints in OUT_DIR/checkpoints.
+    """
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    flags = {
+        "parallel.nproc": nproc,
+        "parallel.mesh": mesh,
+        "steps": steps,
+        "data.path": data,
+        "out_dir": out_dir,
+    }
+    overrides = [
+        *(set_ or []),
+        *(
+            f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
+            for k, v in flags.items()
+            if v is not None
+        ),
+    ]
+    try:
+        cfg = load_config(PRESETS[preset](), config, overrides)
+        if not is_torchrun():  # under torchrun the world size is known only to the ranks
+            parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    results = run(_rank_main, cfg.parallel.nproc, cfg, resume, timeout=24 * 3600, backend=None)
+    first = results[0]
+    if first.train_losses:
+        console.print(
+            f"steps {first.first_step}->{first.last_step}: loss {first.train_losses[0]:.3f} -> "
+            f"{first.train_losses[-1]:.3f}"
+            + (f", val {first.val_losses[-1]:.3f}" if first.val_losses else "")
+        )
+    console.print(
+        f"wrote {cfg.out_dir}/metrics.json, {cfg.out_dir}/loss.png, {cfg.out_dir}/checkpoints"
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

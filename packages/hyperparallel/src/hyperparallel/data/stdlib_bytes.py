@@ -1,0 +1,99 @@
+"""Byte-level text corpora that need no download: Python's own standard library by default.
+
+Tokens are raw bytes (vocabulary 256). The corpus is split by position into training and held-out
+validation bytes; batches are random windows drawn with a generator seeded per rank and step, so a
+resumed run draws exactly the batches the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".toml", ".json", ".cfg", ".ini", ".html")
+
+
+def stdlib_root() -> Path:
+    """The directory holding this interpreter's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def read_corpus(source: str | Path | None = None, max_bytes: int = 8_000_000) -> bytes:
+    """Read up to ``max_bytes`` of text from a file, a folder (its text files, sorted), or the
+    standard library (``source=None``).
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+        ValueError: it holds no text, or too little to train on.
+    """
+    if source is None:
+        root, suffixes = stdlib_root(), (".py",)
+    else:
+        root, suffixes = Path(source), TEXT_SUFFIXES
+        if not root.exists():
+            raise FileNotFoundError(f"--data {root}: no such file or folder")
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
+    )
+    chunks, size = [], 0
+    for path in files:
+        data = path.read_bytes()
+        chunks.append(data[: max_bytes - size])
+        size += len(chunks[-1])
+        if size >= max_bytes:
+            break
+    corpus = b"".join(chunks)
+    if len(corpus) < 4096:
+        raise ValueError(
+            f"--data {root}: only {len(corpus)} bytes of text found (need at least 4096; "
+            f"folders are searched for {', '.join(suffixes)} files)"
+        )
+    return corpus
+
+
+class ByteBatches:
+    """Random fixed-length windows of a byte corpus, split into train and validation parts.
+
+    Args:
+        corpus: the bytes.
+        seq_len: tokens per sample (each window holds seq_len + 1 bytes: inputs and targets).
+        val_fraction: tail share of the corpus held out for validation.
+        seed: base seed; batch ``step`` of ``rank`` is reproducible from (seed, rank, step).
+    """
+
+    def __init__(self, corpus: bytes, seq_len: int, val_fraction: float = 0.05, seed: int = 0):
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+        split = int(len(data) * (1 - val_fraction))
+        self.train, self.val = data[:split], data[split:]
+        if len(self.val) <= seq_len + 1 or len(self.train) <= seq_len + 1:
+            raise ValueError(
+                f"corpus of {len(data)} bytes is too small for seq_len={seq_len} "
+                f"with val_fraction={val_fraction}"
+            )
+        self.seq_len, self.seed = seq_len, seed
+
+    def _windows(self, data: torch.Tensor, batch: int, generator: torch.Generator):
+        starts = torch.randint(0, len(data) - self.seq_len - 1, (batch,), generator=generator)
+        windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()])
+        return windows[:, :-1], windows[:, 1:]
+
+    def train_batch(self, step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets ``[batch, seq_len]`` int64 for ``rank`` at ``step``."""
+        return self._windows(self.train, batch, _generator(self.seed, rank, step))
+
+    def val_batches(self, rank: int, batch: int, count: int):
+        """The same ``count`` held-out batches every time it is called (for comparable losses)."""
+        generator = _generator(self.seed, rank, -1)
+        return [self._windows(self.val, batch, generator) for _ in range(count)]
+
+
+def _generator(seed: int, rank: int, step: int) -> torch.Generator:
+    # Arithmetic, not hash(): str hashes change per process, and every rank and every resumed
+    # run must derive the same stream.
+    return torch.Generator().manual_seed(((seed * 1_000_003 + rank) * 1_000_003 + step) % 2**63)

@@ -1,0 +1,116 @@
+"""The training configuration: nested pydantic models, unknown keys refused, every field described.
+
+A run is configured by a preset (:mod:`presets`), then a TOML file, then ``--set a.b=value``
+overrides, in that order; each layer is validated as a whole so errors name the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hyperparallel.models.moe import MoEConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    path: str | None = Field(
+        None, description="Text file or folder to train on; default: the Python stdlib sources."
+    )
+    max_bytes: int = Field(4_000_000, ge=8192, description="Bytes of text read from the source.")
+    seq_len: int = Field(128, ge=8, description="Tokens (bytes) per training sample.")
+    batch_size: int = Field(8, ge=1, description="Samples per rank per step.")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out tail of the corpus.")
+
+
+class OptimConfig(_Strict):
+    muon_lr: float = Field(0.02, gt=0, description="Muon learning rate (hidden matrices).")
+    adamw_lr: float = Field(
+        3e-3, gt=0, description="AdamW learning rate (embeddings, head, norms)."
+    )
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay for both.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, times the lr.")
+    balance_weight: float = Field(0.01, ge=0, description="Weight of the MoE load-balancing loss.")
+
+
+class ParallelConfig(_Strict):
+    nproc: int = Field(4, ge=1, description="Local ranks to spawn (ignored under torchrun).")
+    mesh: str = Field("fsdp", description="'fsdp' (1-D) or 'RxS' for HSDP, e.g. '2x2'.")
+    timeout_s: float = Field(
+        120.0, gt=0, description="Collective timeout: a dead peer fails the others after this."
+    )
+
+
+class TrainConfig(_Strict):
+    model: MoEConfig = Field(default_factory=MoEConfig, description="Model shape.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus and batching.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizers.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Ranks, mesh.")
+    steps: int = Field(200, ge=1, description="Optimizer steps in total (a resumed run included).")
+    eval_every: int = Field(50, ge=1, description="Steps between validation passes.")
+    eval_batches: int = Field(4, ge=1, description="Held-out batches per validation pass.")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between DCP checkpoints.")
+    out_dir: str = Field("runs/train", description="Checkpoints, metrics.json and loss.png.")
+    seed: int = Field(0, description="Seed of weights and data order (same on every rank).")
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {dotted}: {key} is not a section")
+    node[leaf] = value
+
+
+def _parse_value(text: str) -> Any:
+    # TOML's own scalar grammar: 3, 0.5, true, "text"; bare words stay strings.
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(
+    base: TrainConfig, toml_path: str | Path | None = None, overrides: list[str] | None = None
+) -> TrainConfig:
+    """Apply a TOML file, then ``key.sub=value`` overrides, to ``base``; validate the result.
+
+    Raises:
+        ValueError: with every invalid field named (``model.n_heads: ...``).
+    """
+    tree = base.model_dump()
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ValueError(f"--config {path}: no such file")
+        try:
+            _merge(tree, tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected key.sub=value")
+        _set_dotted(tree, key.strip(), _parse_value(value.strip()))
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"invalid configuration: {problems}") from None
+
+
+def _merge(tree: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _merge(tree[key], value)
+        else:
+            tree[key] = value

@@ -1,0 +1,148 @@
+"""One rank of ``hyperparallel train``: start-up, FSDP2/HSDP model, Muon + AdamW, the loop.
+
+Start-up overlaps: the process group is created in the background by mccl while this rank builds
+its model; the first collective (building the device mesh) waits for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mccl
+from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
+from hyperparallel.models.moe import MoETransformer
+from hyperparallel.models.parallelize import apply_fsdp, build_mesh, parse_mesh
+from hyperparallel.optim import get_hyper_optimizer
+from hyperparallel.train import checkpoint
+from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.metrics import MetricsLog
+from npu_core.device import comm_backend, detect_backend, device_for_rank
+
+StepCallback = Callable[[dict[str, float]], None]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished rank reports back to the launcher."""
+
+    rank: int
+    first_step: int
+    last_step: int
+    train_losses: list[float]
+    val_losses: list[float]
+    skipped_muon_steps: int
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at the last step."""
+    warmup = cfg.optim.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    floor = cfg.optim.min_lr_ratio
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = None) -> TrainResult:
+    """Run training on this rank (under the npu-core launcher or torchrun) and return its losses."""
+    backend = detect_backend()
+    mccl.init_process_group(
+        comm_backend(backend).value, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    )
+    device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), backend)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = MoETransformer(cfg.model).to(device)
+    data = ByteBatches(
+        read_corpus(cfg.data.path, cfg.data.max_bytes),
+        cfg.data.seq_len,
+        cfg.data.val_fraction,
+        cfg.seed,
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()  # waits for mccl here
+    apply_fsdp(model, build_mesh(parse_mesh(cfg.parallel.mesh, world), device.type))
+    optimizer = get_hyper_optimizer(
+        model,
+        muon={"lr": cfg.optim.muon_lr, "weight_decay": cfg.optim.weight_decay},
+        adamw={"lr": cfg.optim.adamw_lr, "weight_decay": cfg.optim.weight_decay},
+    )
+    inner = tuple(opt for opt in (optimizer.muon, optimizer.adamw) if opt is not None)
+    base_lrs = [group["lr"] for opt in inner for group in opt.param_groups]
+    out = Path(cfg.out_dir)
+    ckpt_root = out / "checkpoints"
+    start = 0
+    if resume:
+        found = checkpoint.latest(ckpt_root)
+        if found is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}")
+        start = checkpoint.load(found, model, inner)
+    log = MetricsLog.resume(out / "metrics.json", start) if rank == 0 else MetricsLog()
+    train_losses, val_losses = [], []
+    for step in range(start, cfg.steps):
+        # The inner optimizers' own groups: loading a checkpoint replaces those dicts.
+        groups = [group for opt in inner for group in opt.param_groups]
+        for group, base in zip(groups, base_lrs, strict=True):
+            group["lr"] = base * lr_factor(step, cfg)
+        began = time.perf_counter()
+        inputs, targets = data.train_batch(step, rank, cfg.data.batch_size)
+        logits, balance = model(inputs.to(device))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
+        (loss + cfg.optim.balance_weight * balance).backward()
+        opt_began = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        optim_ms = (time.perf_counter() - opt_began) * 1e3
+        mean_loss = _mean_over_ranks(loss.item())
+        train_losses.append(mean_loss)
+        record = {
+            "step": step + 1,
+            "loss": mean_loss,
+            "lr_factor": lr_factor(step, cfg),
+            "tokens_per_s": world * inputs.numel() / (time.perf_counter() - began),
+            "optim_ms": optim_ms,
+        }
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            record["val_loss"] = _validate(model, data, rank, cfg, device)
+            val_losses.append(record["val_loss"])
+            if rank == 0:
+                log.val.append({"step": step + 1, "loss": record["val_loss"]})
+        if rank == 0:
+            log.train.append({k: v for k, v in record.items() if k != "val_loss"})
+            if on_step is not None:
+                on_step(record)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            checkpoint.save(ckpt_root, step + 1, model, inner)
+            if rank == 0:
+                log.write(out / "metrics.json", cfg.model_dump())
+    if rank == 0:
+        log.write(out / "metrics.json", cfg.model_dump())
+        log.plot(out / "loss.png")
+    return TrainResult(
+        rank, start, cfg.steps, train_losses, val_losses, sum(optimizer.muon.skipped_steps.values())
+    )
+
+
+@torch.no_grad()
+def _validate(
+    model: torch.nn.Module, data: ByteBatches, rank: int, cfg: TrainConfig, device: torch.device
+) -> float:
+    losses = []
+    for inputs, targets in data.val_batches(rank, cfg.data.batch_size, cfg.eval_batches):
+        logits, _ = model(inputs.to(device))
+        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()))
+    return _mean_over_ranks(torch.stack(losses).mean().item())

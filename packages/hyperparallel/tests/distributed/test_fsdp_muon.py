@@ -1,0 +1,94 @@
+"""Muon on FSDP2 / HSDP parameters equals single-process Muon on the same model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from hyperparallel.models.parallelize import build_mesh
+from hyperparallel.optim import Muon
+from npu_core.dist import launch
+
+pytestmark = pytest.mark.distributed
+
+
+class Mixed(nn.Module):
+    """Mixed shapes: uneven rows (5 and 3 on 4 ranks leave empty shards), experts, a conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 16, bias=False)
+        self.b = nn.Linear(16, 5, bias=False)
+        self.c = nn.Linear(5, 3, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, 5))
+        self.conv = nn.Conv2d(2, 6, 3, bias=False)
+
+
+def _grads(model: nn.Module, step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=generator) for p in model.parameters()]
+
+
+def _reference(steps: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = Muon(model.parameters(), lr=0.05)
+    for step in range(steps):
+        for p, g in zip(model.parameters(), _grads(model, step), strict=True):
+            p.grad = g
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _sharded(mesh_shape: tuple[int, ...], steps: int) -> list[list[float]]:
+    torch.manual_seed(0)
+    model = Mixed()
+    full = copy.deepcopy(model)
+    fully_shard(model, mesh=build_mesh(mesh_shape, "cpu"))
+    opt = Muon(model.parameters(), lr=0.05)
+    for step in range(steps):
+        for p, g in zip(model.parameters(), _grads(full, step), strict=True):
+            p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
+        opt.step()
+    dist.barrier()
+    return [p.full_tensor().tolist() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("world", "mesh_shape"), [(2, (2,)), (4, (4,)), (4, (2, 2))])
+def test_fsdp_and_hsdp_updates_equal_single_process(world, mesh_shape):
+    """Three steps on FSDP world 2 and 4 and HSDP 2x2 match the single-process reference."""
+    expected = _reference(3)
+    for rank_result in launch(_sharded, world, mesh_shape, 3, timeout=180):
+        for got, want in zip(rank_result, expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+def _nan_on_one_rank() -> tuple[bool, bool, int]:
+    torch.manual_seed(0)
+    model = Mixed()
+    fully_shard(model, mesh=build_mesh((2,), "cpu"))
+    params = list(model.parameters())
+    before = [p.full_tensor().clone() for p in params]
+    opt = Muon(params, lr=0.05)
+    for p, g in zip(params, _grads(Mixed(), 0), strict=True):
+        p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
+    if dist.get_rank() == 1:
+        params[0].grad.to_local()[0, 0] = float("nan")  # only rank 1's shard is poisoned
+    with pytest.warns(RuntimeWarning, match="NaN or inf"):
+        opt.step()
+    after = [p.full_tensor() for p in params]
+    return (
+        torch.equal(after[0], before[0]),
+        all(not torch.equal(a, b) for a, b in zip(after[1:], before[1:], strict=True)),
+        sum(opt.skipped_steps.values()),
+    )
+
+
+def test_nan_in_one_shard_skips_that_parameter_on_every_rank():
+    """A NaN in one rank's shard skips the parameter everywhere; the others still update."""
+    assert launch(_nan_on_one_rank, 2, timeout=120) == [(True, True, 1), (True, True, 1)]

@@ -1,0 +1,217 @@
+"""Newton-Schulz kernels: torch parity, orthogonality, presets, batching, memory cap, strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from hyperparallel.optim import newton_schulz as ns
+from hyperparallel.optim.newton_schulz import (
+    KELLER,
+    Strategy,
+    clear_strategy_cache,
+    estimate_batch_bytes,
+    newton_schulz,
+    orthogonalize,
+    resolve_coefficients,
+)
+from npu_core.bench import Timing
+
+KELLER_5 = resolve_coefficients("keller", 5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_strategy_cache():
+    clear_strategy_cache()
+    yield
+    clear_strategy_cache()
+
+
+def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (12, 40), (40, 12), (33, 7)])
+def test_newton_schulz_matches_torch_muon_on_matrices(shape):
+    """2-D keller NS equals torch.optim.Muon's kernel, tall and wide."""
+    g = _randn(*shape)
+    expected = _zeropower_via_newtonschulz(g, KELLER, 5, 1e-7)
+    got = newton_schulz(g, KELLER_5)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected.float(), rtol=0, atol=1e-6)
+
+
+def test_newton_schulz_batches_each_matrix_with_its_own_norm():
+    """A [2, 3, M, N] batch equals per-matrix NS, even when one matrix is scaled up."""
+    g = _randn(2, 3, 20, 12)
+    g[1, 2] *= 1024  # a power of two: exact in bf16, so only the per-matrix norm can undo it
+    got = newton_schulz(g, KELLER_5)
+    for i in range(2):
+        for j in range(3):
+            torch.testing.assert_close(
+                got[i, j], newton_schulz(g[i, j], KELLER_5), rtol=1e-6, atol=0
+            )
+    torch.testing.assert_close(got[1, 2], newton_schulz(g[1, 2] / 1024, KELLER_5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("preset", "low", "high"),
+    [("keller", 0.6, 1.2), ("quintic", 0.9, 1.1), ("polar_express", 0.8, 1.2)],
+)
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32)])
+def test_newton_schulz_singular_values_near_one(preset, low, high, shape):
+    """After 5 steps every singular value lies in the preset's band around 1."""
+    out = newton_schulz(_randn(*shape, seed=3), resolve_coefficients(preset, 5))
+    sv = torch.linalg.svdvals(out.double())
+    assert low <= sv.min().item() and sv.max().item() <= high, sv
+
+
+def test_newton_schulz_zero_matrix_stays_zero():
+    """The eps clamp turns an all-zero input into zeros, not NaN."""
+    out = newton_schulz(torch.zeros(4, 6), KELLER_5)
+    assert torch.equal(out, torch.zeros(4, 6))
+
+
+def test_newton_schulz_keeps_input_dtype_and_input():
+    """bf16 in gives bf16 out, and the input is not modified in place."""
+    g = _randn(8, 8, dtype=torch.bfloat16)
+    before = g.clone()
+    assert newton_schulz(g, KELLER_5).dtype == torch.bfloat16
+    assert torch.equal(g, before)
+
+
+def test_newton_schulz_rejects_vector():
+    """A 1-D tensor is refused with its shape in the message."""
+    with pytest.raises(ValueError, match=r"shape \(5,\)"):
+        newton_schulz(torch.ones(5), KELLER_5)
+
+
+def test_resolve_coefficients_presets():
+    """Keller repeats; polar_express is per step with the 1.01 safety scaling, then repeats."""
+    assert resolve_coefficients("keller", 3) == [KELLER] * 3
+    assert resolve_coefficients("quintic", 2) == [(3.0, -3.2, 1.2)] * 2
+    schedule = resolve_coefficients("polar_express", 10)
+    a, _, c = schedule[0]
+    assert a == pytest.approx(8.28721201814563 / 1.01)
+    assert c == pytest.approx(17.300387312530933 / 1.01**5)
+    assert len(set(schedule[:7])) == 7
+    assert schedule[7:] == [(1.875, -1.25, 0.375)] * 3
+    assert resolve_coefficients((1, -1.0, 0.5), 2) == [(1.0, -1.0, 0.5)] * 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "steps", "match"),
+    [
+        ("nope", 5, r"ns_coefficients='nope' is not a known preset.*'polar_express'"),
+        ((1.0, 2.0), 5, r"three finite numbers"),
+        ((1.0, float("nan"), 2.0), 5, r"three finite numbers"),
+        ("keller", 0, r"ns_steps=0 is invalid"),
+    ],
+)
+def test_resolve_coefficients_errors(spec, steps, match):
+    """Unknown names, malformed tuples and bad step counts are named in the error."""
+    with pytest.raises(ValueError, match=match):
+        resolve_coefficients(spec, steps)
+
+
+def _mixed_matrices() -> list[torch.Tensor]:
+    return [
+        _randn(24, 24, seed=1),
+        _randn(10, 30, seed=2),
+        _randn(4, 10, 6, seed=3),
+        _randn(24, 24, seed=4),
+        _randn(10, 30, seed=5),
+        _randn(24, 24, seed=6, dtype=torch.bfloat16),
+    ]
+
+
+def test_orthogonalize_batched_equals_loop_and_per_matrix():
+    """Both strategies give per-matrix NS, in input order, shape and dtype."""
+    matrices = _mixed_matrices()
+    batched = orthogonalize(matrices, KELLER_5, strategy="batched")
+    loop = orthogonalize(matrices, KELLER_5, strategy="loop")
+    for m, b, lp in zip(matrices, batched, loop, strict=True):
+        assert b.shape == m.shape and b.dtype == m.dtype
+        torch.testing.assert_close(b, lp, rtol=1e-6, atol=0)
+        torch.testing.assert_close(b, newton_schulz(m, KELLER_5), rtol=1e-6, atol=0)
+
+
+def test_orthogonalize_experts_equal_per_expert_ns():
+    """[E, M, N] is E independent matrices."""
+    experts = _randn(5, 12, 8, seed=7)
+    (out,) = orthogonalize([experts], KELLER_5, strategy="batched")
+    for e in range(5):
+        torch.testing.assert_close(out[e], newton_schulz(experts[e], KELLER_5), rtol=1e-6, atol=0)
+
+
+def _record_batch_sizes(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    real = ns._run_batch
+
+    def recording(stacked, coefficients, eps, strategy):
+        sizes.append(stacked.shape[0])
+        return real(stacked, coefficients, eps, strategy)
+
+    monkeypatch.setattr(ns, "_run_batch", recording)
+    return sizes
+
+
+def test_orthogonalize_memory_budget_splits_batches(monkeypatch):
+    """A budget for three [16, 16] matrices runs ten of them as 3 + 3 + 3 + 1, same results."""
+    matrices = [_randn(16, 16, seed=s) for s in range(10)]
+    unbounded = orthogonalize(matrices, KELLER_5, strategy="batched")
+    sizes = _record_batch_sizes(monkeypatch)
+    budget = estimate_batch_bytes(16, 16, 3, torch.float32)
+    capped = orthogonalize(matrices, KELLER_5, memory_budget_bytes=budget, strategy="batched")
+    assert sizes == [3, 3, 3, 1]
+    for a, b in zip(unbounded, capped, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_orthogonalize_memory_budget_splits_expert_tensor(monkeypatch):
+    """An expert tensor larger than the budget is split, not run whole."""
+    experts = _randn(7, 8, 8, seed=8)
+    sizes = _record_batch_sizes(monkeypatch)
+    budget = estimate_batch_bytes(8, 8, 3, torch.float32)
+    (out,) = orthogonalize([experts], KELLER_5, memory_budget_bytes=budget, strategy="batched")
+    assert sizes == [3, 3, 1]
+    for e in range(7):
+        torch.testing.assert_close(out[e], newton_schulz(experts[e], KELLER_5), rtol=1e-6, atol=0)
+
+
+def test_orthogonalize_auto_measures_once_and_caches(monkeypatch):
+    """auto times both strategies on the first sight of a key, then reuses the faster."""
+    calls: list[int] = []
+
+    def fake_measure(fn, *, warmup, repeats, sync):
+        assert (warmup, repeats) == (1, 3)
+        calls.append(1)
+        fn()
+        # The first call times "batched", the second "loop": make the loop win.
+        return Timing((2.0,) if len(calls) % 2 == 1 else (1.0,))
+
+    monkeypatch.setattr(ns, "measure", fake_measure)
+    matrices = [_randn(8, 8, seed=s) for s in range(4)]
+    first = orthogonalize(matrices, KELLER_5)
+    assert len(calls) == 2
+    cache = ns._STRATEGY_CACHE
+    assert cache == {(8, 8, torch.float32, torch.device("cpu"), 4): Strategy.LOOP}
+    second = orthogonalize(matrices, KELLER_5)
+    assert len(calls) == 2
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "matrices", "match"),
+    [
+        ({"strategy": "fast"}, [torch.ones(2, 2)], r"strategy='fast' is not one of"),
+        ({"memory_budget_bytes": 0}, [torch.ones(2, 2)], r"memory_budget_bytes=0 is invalid"),
+        ({}, [torch.ones(2, 2), torch.ones(3)], r"matrices\[1\] has shape \(3,\)"),
+    ],
+)
+def test_orthogonalize_errors(kwargs, matrices, match):
+    """Bad strategy, budget or matrix rank is reported with the offending value."""
+    with pytest.raises(ValueError, match=match):
+        orthogonalize(matrices, KELLER_5, **kwargs)

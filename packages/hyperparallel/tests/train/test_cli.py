@@ -1,0 +1,52 @@
+"""The `hyperparallel train` command line: validation before any rank starts, and a tiny run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hyperparallel.cli import app
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--set", "model.n_heads=3"], "model: Value error, n_heads=3"),
+        (["--set", "optim.lr=1"], "optim.lr: Extra inputs are not permitted"),
+        (["--steps", "0"], "steps: Input should be greater than or equal to 1"),
+        (["--mesh", "3x3", "--nproc", "4"], "3 x 3 ranks != world size 4"),
+    ],
+)
+def test_bad_configuration_is_refused_naming_the_field(args, message):
+    """Invalid settings fail at once with the field and the rule, before spawning ranks."""
+    result = CliRunner().invoke(app, ["train", *args])
+    assert result.exit_code != 0
+    assert message in " ".join(result.output.replace("│", " ").split())  # rich wraps in a box
+
+
+@pytest.mark.distributed
+def test_tiny_training_run_through_the_cli(tmp_path):
+    """The CLI spawns ranks, trains, reports the loss and writes metrics and the plot."""
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--preset",
+            "debug",
+            "--nproc",
+            "2",
+            "--steps",
+            "6",
+            "--mesh",
+            "fsdp",
+            "--out-dir",
+            str(tmp_path),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "steps 0->6: loss" in result.output
+    assert len(json.loads((tmp_path / "metrics.json").read_text())["train"]) == 6
+    assert (tmp_path / "loss.png").exists()
