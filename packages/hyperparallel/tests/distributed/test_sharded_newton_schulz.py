@@ -72,3 +72,21 @@ def test_sharded_ns_matches_single_process(world, mesh_shape, batch_bytes):
     gathered = sum(1 for s in SHAPES if len(s) != 3)
     experts_blocks = sum(1 for rows in shard_rows(SHAPES[-1][0], world) if rows)
     assert results[0][1] == 2 * (gathered + experts_blocks)
+
+
+def _two_meshes() -> str:
+    first, second = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2,))
+    updates = [
+        distribute_tensor(torch.ones(4, 4), first, [Shard(0)]),
+        distribute_tensor(torch.ones(4, 4), second, [Shard(0)]),
+    ]
+    try:
+        ShardedNewtonSchulz(lambda ms: ms)(updates, updates)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_parameters_on_different_meshes_are_refused():
+    """Mixing device meshes in one optimizer is a clear error, not a hang."""
+    assert all("different device meshes" in m for m in launch(_two_meshes, 2, timeout=60))

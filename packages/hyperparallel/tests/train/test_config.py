@@ -1,0 +1,74 @@
+"""Training configuration layers (preset, TOML, --set) and checkpoint discovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperparallel.models.parallelize import parse_mesh
+from hyperparallel.train import checkpoint
+from hyperparallel.train.config import load_config
+from hyperparallel.train.presets import debug
+from hyperparallel.train.trainer import lr_factor
+
+
+def test_toml_then_overrides_apply_in_order(tmp_path):
+    """A TOML file overrides the preset; --set overrides the file."""
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\n[model]\ndim = 48\n[parallel]\nmesh = "2x2"\n')
+    cfg = load_config(debug(), path, ["model.dim=64"])
+    assert (cfg.steps, cfg.model.dim, cfg.parallel.mesh) == (7, 64, "2x2")
+    assert cfg.model.n_layers == debug().model.n_layers  # untouched fields keep the preset's
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("steps = [", "not valid TOML"), ("[model]\nwidth = 3\n", "model.width: Extra inputs")],
+)
+def test_bad_toml_names_file_or_field(tmp_path, text, message):
+    """Syntax errors name the file; unknown keys name the field."""
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(debug(), path)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    """A --config path that does not exist is reported as such."""
+    with pytest.raises(ValueError, match=r"--config .*nope.toml: no such file"):
+        load_config(debug(), tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    ("mesh", "world", "shape"), [("fsdp", 4, (4,)), ("2x2", 4, (2, 2)), ("1X3", 3, (1, 3))]
+)
+def test_parse_mesh_shapes(mesh, world, shape):
+    """'fsdp' is 1-D over all ranks; 'RxS' is HSDP."""
+    assert parse_mesh(mesh, world) == shape
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"), [("ring", "use 'fsdp' or 'RxS'"), ("2x3", "!= world")]
+)
+def test_parse_mesh_rejects_bad_shapes(mesh, message):
+    """Unknown forms and shapes that do not multiply to the world size are refused."""
+    with pytest.raises(ValueError, match=message):
+        parse_mesh(mesh, 4)
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor():
+    """Linear warm-up to 1, cosine decay to min_lr_ratio at the last step."""
+    cfg = load_config(debug(), overrides=["steps=100", "optim.warmup_steps=10"])
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(99, cfg) == pytest.approx(cfg.optim.min_lr_ratio, abs=1e-3)
+    factors = [lr_factor(s, cfg) for s in range(10, 100)]
+    assert factors == sorted(factors, reverse=True)
+
+
+def test_latest_ignores_partial_checkpoints(tmp_path):
+    """A half-written checkpoint (staging folder, no pointer update) is never picked up."""
+    (tmp_path / "step_0000010").mkdir()
+    (tmp_path / "latest").write_text("step_0000010")
+    (tmp_path / ".tmp-step_0000020").mkdir()  # a crash while saving step 20
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_0000010"
+    assert checkpoint.latest(tmp_path / "missing") is None
