@@ -95,11 +95,24 @@ def test_launch_wraps_exceptions_that_do_not_pickle():
         launch(_unpicklable_error, 1, backend=None)
 
 
-@pytest.mark.parametrize(("world_size", "timeout"), [(0, 10.0), (2, 0.0)])
-def test_launch_rejects_bad_arguments(world_size, timeout):
-    """world_size < 1 and timeout <= 0 are refused up front, naming the argument."""
-    with pytest.raises(ValueError, match=r"world_size|timeout"):
-        launch(_hang, world_size, timeout=timeout)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 2, "timeout": 0.0}, "timeout"),
+        ({"world_size": 1, "start_method": "fork"}, "start_method='fork'"),
+    ],
+)
+def test_launch_rejects_bad_arguments(kwargs, message):
+    """Bad sizes, timeouts and start methods are refused up front, naming the argument."""
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=message):
+        launch(_hang, world_size, **kwargs)
+
+
+def test_launch_with_spawn_start_method():
+    """Fresh interpreters (spawn) work too, for platforms without forkserver."""
+    assert launch(_sum_of_ranks, 2, 1, start_method="spawn") == [(0, 2, 1.0), (1, 2, 1.0)]
 
 
 def _world_seen_by_run() -> list[tuple[int, int]]:

@@ -20,6 +20,9 @@ from hyperparallel.optim import newton_schulz
 from hyperparallel.optim.newton_schulz import CoefficientSpec
 
 Engine = Callable[[list[Tensor], list[Tensor]], list[Tensor]]
+
+DEFAULT_COMM_BATCH_BYTES = 64 * 2**20
+"""Whole-matrix bytes an owner receives per communication batch when no memory budget is set."""
 """(updates, params) -> orthogonalised updates, each shaped like its parameter."""
 
 ParamLabel = str | int
@@ -262,8 +265,10 @@ class Muon(torch.optim.Optimizer):
                 )
             from hyperparallel.optim.distributed import ShardedNewtonSchulz
 
+            # Several communication batches let batch k + 1's gather overlap batch k's NS.
             self._engine = ShardedNewtonSchulz(
-                self.orthogonalize_matrices, batch_bytes=self.memory_budget_bytes
+                self.orthogonalize_matrices,
+                batch_bytes=self.memory_budget_bytes or DEFAULT_COMM_BATCH_BYTES,
             )
 
     def _collect_entries(self) -> list[_Entry]:

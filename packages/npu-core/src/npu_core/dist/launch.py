@@ -113,12 +113,18 @@ def _dumps_or_error(value: Any, rank: int) -> bytes:
         raise TypeError(f"rank {rank} returned a {type(value).__name__}, which does not pickle") from exc
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    # forkserver with torch preloaded: each rank starts in ~0.1 s instead of re-importing torch
-    # (2-5 s here) and DTensor (another ~3 s), and unlike fork it never inherits the parent's
-    # threads or device state.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+START_METHODS = ("forkserver", "spawn")
+
+
+def _context(start_method: str) -> multiprocessing.context.BaseContext:
+    # forkserver with torch preloaded: ranks fork from a server that imported torch and DTensor
+    # once, instead of each re-importing them (see benchmarks/launch_startup.py), and unlike
+    # fork they never inherit the parent's threads or device state.
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r}; use one of {START_METHODS}")
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
     return ctx
 
 
@@ -128,6 +134,7 @@ def launch(
     *args: Any,
     timeout: float = 300.0,
     backend: str | None = "default",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local ranks and return each rank's return value.
 
@@ -143,6 +150,8 @@ def launch(
         timeout: seconds for the whole run, start-up included; also the process-group timeout.
         backend: ``"default"`` for ``npu_core.device.comm_backend()`` (gloo on CPU), a backend
             name, or None to leave process-group initialisation to ``fn`` (e.g. to test mccl).
+        start_method: ``"forkserver"`` (ranks fork from a server that imported torch once; about
+            70x faster to start here) or ``"spawn"`` (each rank a fresh interpreter).
 
     Returns:
         The return values, indexed by rank.
@@ -160,7 +169,7 @@ def launch(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     if backend == "default":
         backend = comm_backend().value
-    ctx = _context()
+    ctx = _context(start_method)
     results = ctx.Queue()
     port = find_free_port()
     procs = [
