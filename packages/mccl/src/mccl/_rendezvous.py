@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -87,39 +86,37 @@ def _host_port(request: InitRequest, url) -> tuple[str, int]:
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def announce_and_wait(store: dist.Store, request: InitRequest, deadline: float) -> None:
-    """Register this rank's arrival and wait for all others until ``deadline`` (monotonic).
+def announce(store: dist.Store, request: InitRequest) -> None:
+    """Register this rank's arrival; read back by :func:`missing_ranks` only on a timeout.
 
-    Raises:
-        InitTimeoutError: naming the ranks whose arrival key is absent at the deadline.
+    No barrier here: process-group construction waits for every rank anyway, and an extra
+    all-ranks round through the store costs milliseconds of scheduling on a busy host.
     """
     store.set(_ARRIVED.format(rank=request.rank), str(os.getpid()))
-    keys = [_ARRIVED.format(rank=rank) for rank in range(request.world_size)]
-    remaining = max(deadline - time.monotonic(), 0.001)
-    try:
-        store.wait(keys, datetime.timedelta(seconds=remaining))
-    except (RuntimeError, dist.DistError) as exc:
-        missing = missing_ranks(store, request.world_size)
-        if missing == []:  # everyone arrived just as we gave up
-            return
-        who = (
-            "some ranks (the store closed before it could be read)"
-            if missing is None
-            else (f"ranks {missing} of {request.world_size}")
-        )
-        raise InitTimeoutError(
-            f"{who} never arrived at the rendezvous store {store_address(request)} within "
-            f"{request.init_timeout_s:g} s (rank {request.rank} waited); check that every rank "
-            "was started and can reach that address",
-            missing_ranks=missing or [],
-            address=store_address(request),
-            timeout=request.init_timeout_s,
-        ) from exc
+
+
+def timeout_error(request: InitRequest, missing: list[int]) -> InitTimeoutError:
+    """The error for ranks that never arrived within ``init_timeout``."""
+    return InitTimeoutError(
+        f"ranks {missing} of {request.world_size} never arrived at the rendezvous store "
+        f"{store_address(request)} within {request.init_timeout_s:g} s (seen from rank "
+        f"{request.rank}); check that every rank was started and can reach that address",
+        missing_ranks=missing,
+        address=store_address(request),
+        timeout=request.init_timeout_s,
+    )
 
 
 def missing_ranks(store: dist.Store, world_size: int) -> list[int] | None:
-    """Ranks whose arrival key is not in ``store`` now; None when the store cannot be read."""
+    """Ranks whose arrival key is not in ``store`` now; None when the store cannot be read.
+
+    Reads through a clone (its own connection): the initialising thread may be blocked in a
+    wait on the original, and a store client serves one request at a time.
+    """
     try:
-        return [rank for rank in range(world_size) if not store.check([_ARRIVED.format(rank=rank)])]
+        reader = store.clone()
+        return [
+            rank for rank in range(world_size) if not reader.check([_ARRIVED.format(rank=rank)])
+        ]
     except (RuntimeError, dist.DistError):
         return None

@@ -9,12 +9,18 @@ from typing import Any
 import torch.distributed as dist
 
 from mccl import gate
-from mccl._rendezvous import announce_and_wait, connect_store, missing_ranks, store_address
+from mccl._rendezvous import (
+    announce,
+    connect_store,
+    missing_ranks,
+    store_address,
+    timeout_error,
+)
 from mccl.config import InitRequest
 from mccl.errors import InitTimeoutError
 
-# Past init_timeout the worker has normally failed by itself (the arrival wait is bounded); the
-# grace covers a process-group construction that stalls after everyone arrived.
+# When init_timeout passes with every rank arrived, process-group construction is still
+# connecting: it gets this much longer before the first use gives up on it.
 STALL_GRACE_S = 10.0
 
 
@@ -75,10 +81,17 @@ class InitWorker:
         return self._done.wait(timeout)
 
     def wait_for_use(self) -> None:
-        """Called by the gate: block until ready, re-raise a failure, never wait forever."""
-        remaining = self.deadline + STALL_GRACE_S - time.monotonic()
-        if not self._done.wait(max(remaining, 0.0)):
-            raise self._stall_error()
+        """Called by the gate: block until ready, re-raise a failure, never wait forever.
+
+        At ``init_timeout`` the arrival keys in the store name any rank that never came.
+        """
+        if not self._done.wait(max(self.deadline - time.monotonic(), 0.0)):
+            store = self._store
+            missing = None if store is None else missing_ranks(store, self.request.world_size)
+            if missing:
+                raise timeout_error(self.request, missing)
+            if not self._done.wait(STALL_GRACE_S):
+                raise self._stall_error()
         if self.error is not None:
             raise self.error
 
@@ -98,7 +111,7 @@ class InitWorker:
         request = self.request
         try:
             self._store = connect_store(request)
-            announce_and_wait(self._store, request, self.deadline)
+            announce(self._store, request)
             dist.init_process_group(
                 request.backend,
                 store=self._store,
