@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -28,8 +29,6 @@ def _root() -> None:
 
 def _rank_main(cfg: TrainConfig, resume: bool):
     """Entry of every rank; rank 0 draws the progress bar."""
-    import os
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hyperparallel.train.trainer import train_rank
@@ -111,6 +110,8 @@ def train(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     results = run(_rank_main, cfg.parallel.nproc, cfg, resume, timeout=24 * 3600, backend=None)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
+        return
     first = results[0]
     if first.train_losses:
         console.print(
