@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -50,3 +52,28 @@ def test_tiny_training_run_through_the_cli(tmp_path):
     assert "steps 0->6: loss" in result.output
     assert len(json.loads((tmp_path / "metrics.json").read_text())["train"]) == 6
     assert (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.distributed
+def test_same_command_runs_under_torchrun(tmp_path):
+    """Under torchrun each process is one rank (mccl joins the elastic agent's store)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "hyperparallel.cli",
+        "train",
+        "--preset",
+        "debug",
+        "--steps",
+        "3",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("steps 0->3: loss") == 1  # rank 0 alone reports
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000003"
