@@ -143,15 +143,7 @@ class Muon(torch.optim.Optimizer):
         self.ns_coefficients = newton_schulz.resolve_coefficients(ns_coefficients, ns_steps)
         if not (isinstance(eps, int | float) and eps > 0):
             raise ValueError(f"Muon: eps={eps!r} is invalid; it must be a number > 0")
-        if memory_budget_bytes is not None and (
-            isinstance(memory_budget_bytes, bool)
-            or not isinstance(memory_budget_bytes, int)
-            or memory_budget_bytes <= 0
-        ):
-            raise ValueError(
-                f"Muon: memory_budget_bytes={memory_budget_bytes!r} is invalid; use a positive "
-                "int or None"
-            )
+        newton_schulz.check_memory_budget(memory_budget_bytes, owner="Muon: ")
         self.eps = float(eps)
         self.memory_budget_bytes = memory_budget_bytes
         self.skipped_steps: collections.Counter[ParamLabel] = collections.Counter()

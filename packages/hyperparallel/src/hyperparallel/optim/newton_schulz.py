@@ -304,6 +304,19 @@ def _run_batch(
     return _run_loop(stacked, coefficients, eps)
 
 
+def check_memory_budget(memory_budget_bytes: object, owner: str = "") -> None:
+    """Raise ValueError unless ``memory_budget_bytes`` is a positive int or None."""
+    if memory_budget_bytes is not None and (
+        isinstance(memory_budget_bytes, bool)
+        or not isinstance(memory_budget_bytes, int)
+        or memory_budget_bytes <= 0
+    ):
+        raise ValueError(
+            f"{owner}memory_budget_bytes={memory_budget_bytes!r} is invalid; use a positive int "
+            "or None"
+        )
+
+
 def orthogonalize(
     matrices: Sequence[Tensor],
     coefficients: Sequence[Coefficients],
@@ -341,14 +354,7 @@ def orthogonalize(
                 f"matrices[{i}] has shape {tuple(m.shape)} and dtype {m.dtype}; orthogonalize "
                 "takes floating-point [M, N] or [E, M, N] tensors"
             )
-    if memory_budget_bytes is not None and (
-        isinstance(memory_budget_bytes, bool)
-        or not isinstance(memory_budget_bytes, int)
-        or memory_budget_bytes <= 0
-    ):
-        raise ValueError(
-            f"memory_budget_bytes={memory_budget_bytes!r} is invalid; use a positive int or None"
-        )
+    check_memory_budget(memory_budget_bytes)
     try:
         chosen = Strategy(strategy)
     except ValueError:
