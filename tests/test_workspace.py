@@ -53,7 +53,8 @@ def test_package_imports_only_declared_siblings(package):
     meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
     own = meta["name"].replace("-", "_")
     # An optional extra counts as declared: the package must then import it lazily and guarded.
-    requirements = [*meta["dependencies"], *sum(meta.get("optional-dependencies", {}).values(), [])]
+    extras = meta.get("optional-dependencies", {}).values()
+    requirements = [*meta["dependencies"], *(dep for extra in extras for dep in extra)]
     declared = {re.split(r"[\s\[<>=~!;]", dep)[0].replace("-", "_") for dep in requirements}
     for source in (package / "src").rglob("*.py"):
         imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", source.read_text(), re.M))
