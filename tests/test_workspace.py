@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import tomllib
 from pathlib import Path
@@ -70,3 +71,11 @@ def test_no_module_imports_torch_npu_at_top_level():
         if re.search(r"^(import torch_npu|from torch_npu)", path.read_text(), re.M)
     ]
     assert offenders == []
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_every_member_imports_beside_the_others(package):
+    """With all members installed in one environment, each one's top-level module imports."""
+    meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
+    module = importlib.import_module(meta["name"].replace("-", "_"))
+    assert module.__name__ == meta["name"].replace("-", "_")
