@@ -1,0 +1,55 @@
+"""Activation memory control in eager mode: per-op save / recompute / swap inside checkpointed
+regions, exclusion from recompute, asynchronous swap of region inputs with prefetch, recompute as
+a schedulable task (also inside pipeline schedules), and an exact saved-bytes report."""
+
+from hyperparallel.activation.checkpoint import checkpoint, checkpoint_wrapper, swap_wrapper
+from hyperparallel.activation.exclude import checkpoint_exclude_wrapper
+from hyperparallel.activation.policy import (
+    MATMUL_OPS,
+    POLICY_NAMES,
+    CheckpointPolicy,
+    PolicyContext,
+    PolicyFn,
+    compose,
+    is_collective,
+    resolve,
+    save_matmuls_and_collectives,
+    swap_saved_above,
+    uniform,
+)
+from hyperparallel.activation.report import (
+    ActivationReport,
+    ActivationTracker,
+    track_saved_activations,
+)
+from hyperparallel.activation.schedule import (
+    EarlyRecompute1F1B,
+    RecomputeHandle,
+    RecomputeSession,
+)
+from hyperparallel.activation.swap import SwapSchedule
+
+__all__ = [
+    "MATMUL_OPS",
+    "POLICY_NAMES",
+    "ActivationReport",
+    "ActivationTracker",
+    "CheckpointPolicy",
+    "EarlyRecompute1F1B",
+    "PolicyContext",
+    "PolicyFn",
+    "RecomputeHandle",
+    "RecomputeSession",
+    "SwapSchedule",
+    "checkpoint",
+    "checkpoint_exclude_wrapper",
+    "checkpoint_wrapper",
+    "compose",
+    "is_collective",
+    "resolve",
+    "save_matmuls_and_collectives",
+    "swap_saved_above",
+    "swap_wrapper",
+    "track_saved_activations",
+    "uniform",
+]

@@ -1,0 +1,569 @@
+"""One checkpointed region: per-op save / swap / recompute bookkeeping, its hooks, its replay.
+
+Forward runs the function normally (the autograd graph is the real one) under two observers: a
+``TorchDispatchMode`` that asks the policy about every op allocating a new tensor, and
+saved-tensor hooks that, for each tensor autograd saves, keep it (saved ops, inputs, weights),
+hold a host copy (swapped ops) or keep only its position (recomputed ops). Backward's first
+unpack of a recomputed tensor replays the function once with the forward's RNG state: saved and
+swapped ops return their stored outputs instead of running, packs are matched by position, and
+replay stops as soon as the last tensor backward needs has been produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from hyperparallel.activation.policy import CheckpointPolicy, PolicyContext, PolicyFn
+from hyperparallel.activation.report import current_tracker, is_parameter_like
+from hyperparallel.activation.schedule import current_session, no_session
+from hyperparallel.activation.swap import SwappedStorage, TensorMeta, current_schedule, no_schedule
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    WAITING = "waiting for backward"
+    REPLAY = "replay"
+
+
+_CURRENT: contextvars.ContextVar[Region | None] = contextvars.ContextVar(
+    "hyperparallel_checkpoint_region", default=None
+)
+
+
+def current_region() -> Region | None:
+    """The region whose forward or replay runs in this context, if any."""
+    return _CURRENT.get()
+
+
+class _StopReplay(Exception):
+    """Raised from the replay's pack hook once every tensor backward needs exists."""
+
+
+def _ptr(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+_MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _mutated_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors ``func`` writes to (in-place and out= arguments), from its schema."""
+    if not func._schema.is_mutable:
+        return []
+    if func not in _MUTATED:
+        _MUTATED[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    found = []
+    for i, name in _MUTATED[func]:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
+
+
+@dataclass
+class _OpRecord:
+    index: int
+    op: str
+    policy: CheckpointPolicy
+    swaps: dict[tuple[torch.device, int], SwappedStorage] = field(default_factory=dict)
+
+
+@dataclass
+class _Keep:
+    """A saved tensor kept as is; its version is checked at unpack."""
+
+    tensor: torch.Tensor
+    version: int
+    what: str
+
+
+@dataclass
+class _SwapSlot:
+    storage: SwappedStorage
+    meta: TensorMeta
+
+
+@dataclass
+class _InputSlot:
+    index: int
+    meta: TensorMeta
+
+
+@dataclass
+class _RecomputeSlot:
+    position: int
+
+
+class _Saved:
+    """Outputs of a saved op, for replay; detached aliases sharing the version counter."""
+
+    def __init__(self, out: Any, what: str) -> None:
+        self.requires_grad = [
+            t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+        ]
+        self.out = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+        self.versions = [t._version for t in self.tensors()]
+        self.what = what
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in tree_flatten(self.out)[0] if isinstance(t, torch.Tensor)]
+
+    def materialize(self) -> Any:
+        for t, version in zip(self.tensors(), self.versions, strict=True):
+            if t._version != version:
+                raise RuntimeError(
+                    f"{self.what} was saved for backward and then modified in place "
+                    f"(version {version} -> {t._version}); recompute would read the modified "
+                    "values. Clone it before modifying it."
+                )
+        return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, self.out)
+
+
+class _Swapped:
+    """Outputs of a swapped op, for replay: each output's layout, and its host copy once backward
+    saved it (swaps start at the first pack, so only tensors backward needs are copied)."""
+
+    def __init__(self, out: Any, record: _OpRecord) -> None:
+        leaves, self.spec = tree_flatten(out)
+        self.record = record
+        self.leaves = [
+            (_ptr(x), TensorMeta.of(x)) if isinstance(x, torch.Tensor) else x for x in leaves
+        ]
+
+    def materialize(self) -> Any:
+        """The outputs rebuilt from host copies, or None when one was never swapped."""
+        swaps = self.record.swaps
+        leaves = []
+        for leaf in self.leaves:
+            if isinstance(leaf, tuple) and isinstance(leaf[1], TensorMeta):
+                if leaf[0] not in swaps:
+                    return None  # never saved for backward: replay runs the op instead
+                leaf = swaps[leaf[0]].view(leaf[1])
+            leaves.append(leaf)
+        return tree_unflatten(leaves, self.spec)
+
+
+@dataclass
+class RegionStats:
+    """Counters a :class:`~hyperparallel.activation.schedule.RecomputeHandle` reads."""
+
+    recomputes: int = 0
+    replayed_ops: int = 0
+
+
+class _ForwardMode(TorchDispatchMode):
+    def __init__(self, region: Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not (self.region.excluding or self.region.in_hook):
+            self.region.record_op(func, args, kwargs, out)
+        return out
+
+
+class _ReplayMode(TorchDispatchMode):
+    def __init__(self, region: Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.region.in_hook:
+            return func(*args, **(kwargs or {}))
+        return self.region.replay_op(func, args, kwargs or {})
+
+
+class Region:
+    """State of one call of :func:`~hyperparallel.activation.checkpoint` from forward until the
+    autograd graph that saved its tensors is freed."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        *,
+        policy_fn: PolicyFn | None,
+        swap_inputs: bool,
+        preserve_rng_state: bool,
+        name: str,
+        owner: torch.nn.Module | None = None,
+    ) -> None:
+        self.fn, self.policy_fn, self.name, self.owner = fn, policy_fn, name, owner
+        self.swap_inputs, self.preserve_rng_state = swap_inputs, preserve_rng_state
+        self.stats = RegionStats()
+        self.phase = Phase.FORWARD
+        self.excluding = 0
+        # Ops issued by the region's own hooks (views, copies) are not the function's ops.
+        self.in_hook = False
+        self._call: tuple[tuple, dict] | None = (args, kwargs)
+        leaves, self._spec = tree_flatten((args, kwargs))
+        # Non-tensor leaves only: the region holds its tensor inputs in _inputs / _input_swaps.
+        self._leaves: list[Any] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self._inputs = {i: x for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+        self._input_meta = {i: TensorMeta.of(x) for i, x in self._inputs.items()}
+        self._input_versions = {i: x._version for i, x in self._inputs.items()}
+        self._input_ptrs = {
+            _ptr(x): i
+            for i, x in self._inputs.items()
+            if not is_parameter_like(x) and x.untyped_storage().nbytes()
+        }
+        self._input_swaps: dict[int, SwappedStorage] = {}
+        self._input_slots = 0
+        self._produced: dict[tuple[torch.device, int], _OpRecord] = {}
+        self._cache: dict[int, _Saved | _Swapped] = {}
+        self._excluded: list[_Saved] = []
+        self._swapped: list[SwappedStorage] = []
+        self._needed: set[int] = set()
+        self._recomputed: dict[int, torch.Tensor] = {}
+        self._op_count = self._pack_count = 0
+        self._tracker = current_tracker()
+        self._schedule = current_schedule()
+        tensors = list(self._inputs.values())
+        self._cpu_rng = torch.get_rng_state() if preserve_rng_state else None
+        self._device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+        self._device_rng = (
+            get_device_states(*tensors) if preserve_rng_state and self._device_type else None
+        )
+        self._autocast = {
+            dt: (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+            for dt in {"cpu", self._device_type or "cpu"}
+        }
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def run_forward(self) -> Any:
+        """Run the function with the region's observers; return its outputs unchanged."""
+        if self._schedule is not None:
+            self._schedule.region_started(self)
+        assert self._call is not None
+        (args, kwargs), self._call = self._call, None
+        token = _CURRENT.set(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                with _ForwardMode(self) as self._mode:
+                    out = self.fn(*args, **kwargs)
+        finally:
+            _CURRENT.reset(token)
+        self._finish_forward(out)
+        return out
+
+    def record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Ask the policy about ``func``'s new outputs; start swaps; note who made each storage."""
+        index = self._op_count
+        self._op_count += 1
+        for written in _mutated_args(func, args, kwargs):
+            self._demote(self._produced.get(_ptr(written)), func)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        arg_ptrs = {_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        fresh = [t for t in outs if _ptr(t) not in arg_ptrs and t.untyped_storage().nbytes()]
+        if not fresh:
+            return  # a view or an in-place op: the storage's first producer decides
+        choice = None
+        if self.policy_fn is not None:
+            ctx = PolicyContext(self.name, index, tuple(fresh))
+            choice = self.policy_fn(ctx, func, *args, **kwargs)
+        choice = CheckpointPolicy(choice or CheckpointPolicy.PREFER_RECOMPUTE)
+        record = _OpRecord(index, str(func), choice)
+        what = f"output of {func} (op {index}) in checkpoint region {self.name!r}"
+        if choice.is_save:
+            self._cache[index] = _Saved(out, what)
+        elif choice.is_swap:
+            self._cache[index] = _Swapped(out, record)
+        for t in fresh:
+            self._produced[_ptr(t)] = record
+
+    def _demote(self, record: _OpRecord | None, func: Any) -> None:
+        if record is None or record.policy.is_recompute:
+            return
+        if record.policy is CheckpointPolicy.MUST_SAVE:
+            raise RuntimeError(
+                f"{func} modifies in place the output of {record.op} (op {record.index}) in "
+                f"checkpoint region {self.name!r}, which the policy marks MUST_SAVE: the saved "
+                "value would be the modified one. Use PREFER_SAVE (recomputed instead) or "
+                "clone before modifying."
+            )
+        # A stored copy would be stale once modified: the only correct choice is to recompute.
+        record.policy = CheckpointPolicy.PREFER_RECOMPUTE
+        self._cache.pop(record.index, None)
+        record.swaps = {}
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Run a block whose saved tensors are kept and whose ops are not observed."""
+        self.excluding += 1
+        try:
+            if _get_current_dispatch_mode() is self._mode:
+                with _pop_mode_temporarily():
+                    yield
+            else:  # another mode sits above ours: it stays, ours skips by the flag
+                yield
+        finally:
+            self.excluding -= 1
+
+    def store_excluded(self, out: Any) -> None:
+        """Keep an excluded call's outputs for replay, which will not run that call."""
+        self._excluded.append(_Saved(out, f"output of an excluded call in {self.name!r}"))
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        self.in_hook = True
+        try:
+            return self._pack_slot(tensor)
+        finally:
+            self.in_hook = False
+
+    def _pack_slot(self, tensor: torch.Tensor) -> Any:
+        if self.excluding:
+            return self._keep(tensor, f"a tensor saved inside an excluded call in {self.name!r}")
+        position = self._pack_count
+        self._pack_count += 1
+        key = _ptr(tensor)
+        record = self._produced.get(key)
+        if record is None:
+            index = self._input_ptrs.get(key)
+            if index is not None and self.swap_inputs:
+                self._input_slots += 1
+                return _InputSlot(index, TensorMeta.of(tensor))
+            return self._keep(tensor, f"a tensor from outside checkpoint region {self.name!r}")
+        if record.policy.is_save:
+            return self._keep(tensor, f"output of {record.op} in {self.name!r}")
+        if record.policy.is_swap:
+            swap = record.swaps.get(key)
+            if swap is None:
+                what = (
+                    f"output of {record.op} (op {record.index}) in checkpoint region {self.name!r}"
+                )
+                swap = record.swaps[key] = SwappedStorage(tensor, what)
+                self._swapped.append(swap)
+            if self._tracker is not None:
+                self._tracker.add(("swap", id(swap)), swap.nbytes, "host")
+            return _SwapSlot(swap, TensorMeta.of(tensor))
+        self._needed.add(position)
+        if self._tracker is not None:
+            storage = tensor.untyped_storage()
+            key = ("recompute", id(self), record.index, key)
+            self._tracker.add(key, storage.nbytes(), "recomputed")
+        return _RecomputeSlot(position)
+
+    def _keep(self, tensor: torch.Tensor, what: str) -> _Keep:
+        if self._tracker is not None:
+            self._tracker.add_tensor(tensor, "device")
+        return _Keep(tensor, tensor._version, what)
+
+    def _finish_forward(self, out: Any) -> None:
+        self.phase = Phase.WAITING
+        for index, entry in list(self._cache.items()):
+            if isinstance(entry, _Swapped) and not entry.record.swaps:
+                del self._cache[index]  # never saved: if replay needs it, replay runs the op
+        if not self._needed:
+            # Nothing to recompute: stored outputs only serve slots, which hold their own refs.
+            self._cache.clear()
+            self._excluded.clear()
+            if not self._input_slots:
+                self._inputs.clear()
+        elif self._tracker is not None:
+            for entry in (*self._cache.values(), *self._excluded):
+                if isinstance(entry, _Saved):
+                    for t in entry.tensors():
+                        self._tracker.add_tensor(t, "device")
+                else:
+                    for swap in entry.record.swaps.values():
+                        self._tracker.add(("swap", id(swap)), swap.nbytes, "host")
+        if self._tracker is not None:
+            self._tracker.regions += 1
+            for t in self._inputs.values():
+                self._tracker.add_tensor(t, "device")
+        session = current_session()
+        if session is not None:
+            session.add(self)
+        if self._schedule is not None:
+            if self._swapped or self.swap_inputs:
+                grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                grads = [t for t in grads if t.requires_grad]
+                if grads:
+                    me, schedule = weakref.ref(self), self._schedule
+
+                    def reached(_grad: torch.Tensor) -> None:
+                        if (region := me()) is not None:
+                            schedule.backward_reached(region)
+
+                    torch.autograd.graph.register_multi_grad_hook(grads, reached, mode="any")
+            self._schedule.region_finished(self)
+        elif self.swap_inputs:
+            self.offload_inputs()
+
+    # ---- swapping ------------------------------------------------------------------------
+
+    def offload_inputs(self) -> None:
+        """Copy the region's inputs to host and drop the region's device references."""
+        if not self.swap_inputs or self._input_swaps or not self._inputs:
+            return
+        for i, t in list(self._inputs.items()):
+            if is_parameter_like(t) or not t.untyped_storage().nbytes():
+                continue
+            swap = SwappedStorage(t, f"input {i} of checkpoint region {self.name!r}")
+            self._input_swaps[i] = swap
+            if self._tracker is not None:
+                key = ("storage", *_ptr(t))
+                self._tracker.move(key, swap.nbytes, "host")
+            del self._inputs[i]
+
+    def prefetch(self) -> None:
+        """Start copying back everything this region swapped (inputs and op outputs)."""
+        for swap in (*self._input_swaps.values(), *self._swapped):
+            swap.prefetch()
+
+    def _input(self, index: int, meta: TensorMeta | None = None) -> torch.Tensor:
+        meta = meta or self._input_meta[index]
+        swap = self._input_swaps.get(index)
+        if swap is not None:
+            return swap.view(meta)
+        tensor = self._inputs[index]
+        if tensor._version != self._input_versions[index]:
+            raise RuntimeError(
+                f"input {index} of checkpoint region {self.name!r} was modified in place after "
+                f"the region's forward (version {self._input_versions[index]} -> "
+                f"{tensor._version}); its backward would use the modified values. Clone the "
+                "input before modifying it."
+            )
+        out = torch.empty(0, dtype=meta.dtype, device=tensor.device)
+        return out.set_(tensor.untyped_storage(), meta.offset, meta.size, meta.stride)
+
+    # ---- backward ------------------------------------------------------------------------
+
+    def _unpack(self, slot: Any) -> torch.Tensor:
+        if isinstance(slot, _Keep):
+            if not is_parameter_like(slot.tensor) and slot.tensor._version != slot.version:
+                raise RuntimeError(
+                    f"{slot.what} was saved for backward and then modified in place (version "
+                    f"{slot.version} -> {slot.tensor._version}); backward would use the "
+                    "modified values. Clone it before modifying it."
+                )
+            return slot.tensor
+        if isinstance(slot, _SwapSlot):
+            return slot.storage.view(slot.meta)
+        if isinstance(slot, _InputSlot):
+            return self._input(slot.index, slot.meta)
+        if slot.position not in self._recomputed:
+            self.recompute()
+        return self._recomputed.pop(slot.position)
+
+    def recompute(self) -> None:
+        """Replay the region now so backward finds its tensors; a no-op while results wait."""
+        if self._recomputed or not self._needed:
+            return
+        leaves = list(self._leaves)
+        for i, meta in self._input_meta.items():
+            if i in self._input_swaps or i in self._inputs:
+                leaves[i] = self._input(i).detach().requires_grad_(meta.requires_grad)
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        self.prefetch()
+        self._results: dict[int, torch.Tensor] = {}
+        self._replay_ops = self._replay_packs = self._replay_excluded = 0
+        token = _CURRENT.set(self)
+        self.phase = Phase.REPLAY
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self._forward_rng())
+                for device_type, (enabled, dtype) in self._autocast.items():
+                    stack.enter_context(torch.autocast(device_type, dtype, enabled=enabled))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(no_schedule())
+                stack.enter_context(no_session())
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(self._replay_pack, _never_unpacked)
+                )
+                stack.enter_context(_ReplayMode(self))
+                with contextlib.suppress(_StopReplay):
+                    self.fn(*args, **kwargs)
+        finally:
+            _CURRENT.reset(token)
+            self.phase = Phase.WAITING
+        missing = self._needed - self._results.keys()
+        if missing:
+            raise RuntimeError(
+                f"recompute of checkpoint region {self.name!r} saved {self._replay_packs} "
+                f"tensors where forward saved more ({len(missing)} missing): the function must "
+                "run the same ops on replay (no data-dependent control flow on values that "
+                "differ between forward and recompute)."
+            )
+        self._recomputed, self._results = self._results, {}
+        self.stats.recomputes += 1
+        self.stats.replayed_ops += self._replay_ops
+
+    @contextlib.contextmanager
+    def _forward_rng(self) -> Iterator[None]:
+        if not self.preserve_rng_state:
+            yield
+            return
+        cpu_now = torch.get_rng_state()
+        device_now = get_device_states(*self._inputs.values()) if self._device_rng else None
+        torch.set_rng_state(self._cpu_rng)
+        if self._device_rng:
+            set_device_states(*self._device_rng, device_type=self._device_type)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(cpu_now)
+            if device_now:
+                set_device_states(*device_now, device_type=self._device_type)
+
+    def replay_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Return a stored output for saved and swapped ops; run everything else."""
+        index = self._replay_ops
+        self._replay_ops += 1
+        entry = self._cache.get(index)
+        if entry is None or torch.Tag.nondeterministic_seeded in func.tags:
+            return func(*args, **kwargs)  # random ops always run: later ones need their draws
+        out = entry.materialize()
+        return func(*args, **kwargs) if out is None else out
+
+    def replay_excluded(self) -> Any:
+        """The next excluded call's stored outputs, with their forward ``requires_grad``."""
+        entry = self._excluded[self._replay_excluded]
+        self._replay_excluded += 1
+        grads = iter(entry.requires_grad)
+        return tree_map(
+            lambda x: x.requires_grad_(next(grads)) if isinstance(x, torch.Tensor) else x,
+            entry.materialize(),
+        )
+
+    def _replay_pack(self, tensor: torch.Tensor) -> None:
+        position = self._replay_packs
+        self._replay_packs += 1
+        if position in self._needed:
+            self.in_hook = True
+            try:
+                self._results[position] = tensor.detach()
+            finally:
+                self.in_hook = False
+            if len(self._results) == len(self._needed):
+                raise _StopReplay
+        return None
+
+
+def _never_unpacked(packed: Any) -> torch.Tensor:
+    raise RuntimeError("the graph built while recomputing a checkpoint region is never used")
