@@ -1,1 +1,34 @@
-"""mfusion."""
+"""mfusion: graph fusion inside TorchInductor's post-grad stage, with a torch-mlir bridge.
+
+``mfusion.install()`` makes every later ``torch.compile`` run the hand-written fusion passes and
+backend-aware automatic fusion; ``mfusion.report()`` says what was rewritten, refused and why.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from mfusion.config import BackendName, MFusionConfig
+from mfusion.install import enabled, install, is_installed, uninstall
+from mfusion.passes.manager import MFusionPassManager
+from mfusion.passes.registry import PASS_REGISTRY
+from mfusion.report import GraphReport, Report, clear_report, report
+
+try:
+    __version__ = version("mfusion")
+except PackageNotFoundError:  # running from a source tree without metadata
+    __version__ = "0.0.0"
+
+__all__ = [
+    "PASS_REGISTRY",
+    "BackendName",
+    "GraphReport",
+    "MFusionConfig",
+    "MFusionPassManager",
+    "Report",
+    "__version__",
+    "clear_report",
+    "enabled",
+    "install",
+    "is_installed",
+    "report",
+    "uninstall",
+]

@@ -1,0 +1,87 @@
+"""Attach mfusion to Inductor's post-grad stage so plain ``torch.compile(model)`` runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch._inductor.config as inductor_config
+
+from mfusion.config import BackendName, MFusionConfig
+from mfusion.passes.manager import MFusionPassManager
+
+_LOCK = threading.Lock()
+_PREVIOUS: list[Any] = []
+
+
+def install(
+    backend: BackendName | str = BackendName.AUTO,
+    passes: Sequence[str] | None = None,
+    auto_fuse: bool = True,
+    **options: Any,
+) -> MFusionPassManager:
+    """Register mfusion as ``torch._inductor.config.post_grad_custom_post_pass``.
+
+    Args:
+        backend: Kernel backend for auto-fused regions (``auto``, ``inductor``, ``mlir-cpu``,
+            ``npu``).
+        passes: Hand-written passes to run, in order; None runs all of them.
+        auto_fuse: Plan (and, for kernel-generating backends, outline) fusion regions.
+        **options: Further :class:`~mfusion.config.MFusionConfig` fields.
+
+    Returns:
+        The installed pass manager.
+
+    Raises:
+        RuntimeError: Another custom post-grad pass is installed; mfusion does not silently
+            replace it.
+    """
+    config = MFusionConfig(
+        backend=backend,
+        passes=tuple(passes) if passes is not None else None,
+        auto_fuse=auto_fuse,
+        **options,
+    )
+    manager = MFusionPassManager(config)
+    with _LOCK:
+        current = inductor_config.post_grad_custom_post_pass
+        if current is not None and not isinstance(current, MFusionPassManager):
+            raise RuntimeError(
+                f"post_grad_custom_post_pass already holds {current!r}; remove it before "
+                "mfusion.install() (mfusion does not chain foreign passes)"
+            )
+        _PREVIOUS.append(current)
+        inductor_config.post_grad_custom_post_pass = manager
+    return manager
+
+
+def uninstall() -> None:
+    """Restore the post-grad pass that was there before the matching :func:`install`."""
+    with _LOCK:
+        if not isinstance(inductor_config.post_grad_custom_post_pass, MFusionPassManager):
+            raise RuntimeError("mfusion is not installed")
+        inductor_config.post_grad_custom_post_pass = _PREVIOUS.pop() if _PREVIOUS else None
+
+
+def is_installed() -> bool:
+    return isinstance(inductor_config.post_grad_custom_post_pass, MFusionPassManager)
+
+
+@contextlib.contextmanager
+def enabled(
+    backend: BackendName | str = BackendName.AUTO,
+    passes: Sequence[str] | None = None,
+    auto_fuse: bool = True,
+    **options: Any,
+) -> Iterator[MFusionPassManager]:
+    """``with mfusion.enabled(): torch.compile(model)(x)`` — installed only inside the block.
+
+    Inductor compiles lazily on the first call, so call the compiled model inside the block.
+    """
+    manager = install(backend, passes, auto_fuse, **options)
+    try:
+        yield manager
+    finally:
+        uninstall()

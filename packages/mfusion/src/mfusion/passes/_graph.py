@@ -1,0 +1,165 @@
+"""FX helpers for the passes: op tests, constants, fake-tensor metadata, lowerable emission."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+aten = torch.ops.aten
+CONVERT = torch.ops.prims.convert_element_type.default
+
+# Ops whose result is a view (or reshape) of their input: free for fusion, never worth a region.
+VIEW_OPS = frozenset(
+    {
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.permute.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.expand.default,
+        aten.slice.Tensor,
+    }
+)
+
+
+def is_op(node: object, *targets: object) -> bool:
+    """True if ``node`` is a call of one of ``targets`` (op overloads)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node: object) -> Any:
+    """The fake tensor (or SymInt) recorded for ``node``; None when unknown."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def tensor_val(node: object) -> torch.Tensor | None:
+    value = val(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def dtype_of(node: object) -> torch.dtype | None:
+    value = tensor_val(node)
+    return value.dtype if value is not None else None
+
+
+def ndim_of(node: object) -> int | None:
+    value = tensor_val(node)
+    return value.dim() if value is not None else None
+
+
+def is_float_scalar(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def close(value: object, expected: float, rel: float = 1e-4) -> bool:
+    """True if ``value`` is a Python number within ``rel`` of ``expected``."""
+    return is_float_scalar(value) and math.isclose(float(value), expected, rel_tol=rel)
+
+
+def normalized_dims(dims: object, ndim: int) -> tuple[int, ...] | None:
+    """Reduction dims as sorted non-negative ints, or None if not a plain int list."""
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, Sequence) or not all(isinstance(d, int) for d in dims):
+        return None
+    return tuple(sorted(d % ndim for d in dims))
+
+
+def is_last_dim_reduction(dims: object, ndim: int | None) -> bool:
+    return ndim is not None and ndim > 0 and normalized_dims(dims, ndim) == (ndim - 1,)
+
+
+def square_base(node: object) -> fx.Node | None:
+    """``x`` for ``pow(x, 2)`` or ``mul(x, x)``; None otherwise."""
+    if is_op(node, aten.pow.Tensor_Scalar) and node.args[1] == 2:
+        return node.args[0]
+    if is_op(node, aten.mul.Tensor) and node.args[0] is node.args[1]:
+        return node.args[0]
+    return None
+
+
+def scalar_operand(node: fx.Node, tensor: fx.Node) -> object:
+    """For a binary op with ``tensor`` as one operand, the other operand (number or node)."""
+    a, b = node.args[0], node.args[1]
+    return b if a is tensor else a
+
+
+def other_operand(node: fx.Node, known: fx.Node) -> object | None:
+    """The operand of a commutative binary op that is not ``known``; None if absent."""
+    a, b = node.args[0], node.args[1]
+    if a is known:
+        return b
+    if b is known:
+        return a
+    return None
+
+
+def fake_mode_of(graph: fx.Graph) -> FakeTensorMode | None:
+    for node in graph.nodes:
+        value = val(node)
+        if isinstance(value, FakeTensor):
+            return value.fake_mode
+    return None
+
+
+def _fake_args(args: object, fake_mode: FakeTensorMode | None) -> object:
+    return fx.node.map_arg(args, lambda n: n.meta["val"])
+
+
+def is_lowerable(target: object) -> bool:
+    """True if Inductor has its own lowering for ``target`` (so it never becomes an eager call)."""
+    from torch._inductor.lowering import lowerings
+
+    return target in lowerings
+
+
+def emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insertion point with its fake value.
+
+    Raises:
+        ValueError: ``target`` has no Inductor lowering. The passes only emit lowerable ops so
+            a rewritten region is still fused by Inductor, never run as an opaque eager kernel.
+    """
+    if target is not operator.getitem and not is_lowerable(target):
+        raise ValueError(f"{target} has no Inductor lowering; a pass must not emit it")
+    node = graph.call_function(target, args, kwargs)
+    fake_mode = fake_mode_of(graph)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*_fake_args(args, fake_mode), **_fake_args(kwargs, fake_mode))
+    return node
+
+
+def replace(old: fx.Node, new: fx.Node) -> None:
+    """Point every user of ``old`` at ``new`` (dead code is removed by the cleanup pass)."""
+    old.replace_all_uses_with(new)
+
+
+def live_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
+    """Snapshot of call nodes, skipping those erased while iterating."""
+    for node in list(graph.nodes):
+        if node.graph is graph and node.op == "call_function":
+            yield node
+
+
+def op_counts(graph: fx.Graph) -> dict[str, int]:
+    """How many times each op overload is called in ``graph`` (the pass tests' currency)."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            name = str(node.target)
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
+LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})

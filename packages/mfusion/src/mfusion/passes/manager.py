@@ -1,0 +1,80 @@
+"""The pass manager is itself Inductor's post-grad custom pass: it runs the configured rewrites,
+automatic fusion, then cleanup, and hashes everything that decides its output into ``uuid()``."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import time
+from pathlib import Path
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from mfusion.config import MFusionConfig
+from mfusion.passes.base import PassContext
+from mfusion.passes.cleanup import cleanup
+from mfusion.passes.registry import PASS_REGISTRY, build_pass
+from mfusion.report import GraphReport, new_graph_report
+
+
+@functools.cache
+def package_source_hash() -> str:
+    """SHA-256 over every Python file of the installed mfusion package (path and contents)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _op_counter(graph: fx.Graph) -> collections.Counter[str]:
+    return collections.Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+class MFusionPassManager(CustomGraphPass):
+    """Runs mfusion on each post-grad graph Inductor compiles.
+
+    Args:
+        config: What to run; see :class:`~mfusion.config.MFusionConfig`.
+    """
+
+    def __init__(self, config: MFusionConfig | None = None) -> None:
+        self.config = config or MFusionConfig()
+        names = self.config.passes if self.config.passes is not None else tuple(PASS_REGISTRY)
+        self.passes = [build_pass(name) for name in names]
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.run(graph)
+
+    def run(self, graph: fx.Graph) -> GraphReport:
+        """Rewrite ``graph`` in place and return (and record) what happened."""
+        backend = self.config.resolved_backend()
+        record = new_graph_report(backend.value)
+        record.ops_before = _op_counter(graph)
+        ctx = PassContext(self.config, record)
+        for graph_pass in self.passes:
+            start = time.perf_counter()
+            graph_pass(graph, ctx)
+            cleanup(graph)
+            record.pass_seconds[graph_pass.name] = time.perf_counter() - start
+        if self.config.auto_fuse:
+            from mfusion.autofuse.fuse import auto_fuse
+
+            start = time.perf_counter()
+            auto_fuse(graph, self.config, record)
+            record.pass_seconds["auto_fuse"] = time.perf_counter() - start
+        cleanup(graph)
+        record.ops_after = _op_counter(graph)
+        return record
+
+    def uuid(self) -> str:
+        """Hash of the package source and of every setting that changes the rewritten graph."""
+        digest = hashlib.sha256()
+        digest.update(package_source_hash().encode())
+        digest.update(self.config.fingerprint().encode())
+        for graph_pass in self.passes:
+            digest.update(graph_pass.uuid().encode())
+        return digest.hexdigest()

@@ -1,0 +1,35 @@
+"""Names of the hand-written passes and where they live, in default run order (data, no imports)."""
+
+from __future__ import annotations
+
+import importlib
+
+from mfusion.passes.base import MFusionPass
+
+# Order matters: the fused norms claim their patterns before the plain ones; matmul rewrites that
+# change operands (casts, transposes) run before those that restructure the call.
+PASS_REGISTRY: dict[str, str] = {
+    "add_rmsnorm": "mfusion.passes.add_rmsnorm:AddRMSNormPass",
+    "rmsnorm": "mfusion.passes.rmsnorm:RMSNormPass",
+    "layernorm": "mfusion.passes.layernorm:LayerNormPass",
+    "meanvar": "mfusion.passes.meanvar:MeanVarPass",
+    "rope": "mfusion.passes.rope:RoPEPass",
+    "gelu": "mfusion.passes.gelu:GELUPass",
+    "swiglu": "mfusion.passes.swiglu:SwiGLUPass",
+    "matmul_cast": "mfusion.passes.matmul_cast:MatMulCastPass",
+    "matmul_transpose": "mfusion.passes.matmul_transpose:MatMulTransposePass",
+    "bmm_to_mm": "mfusion.passes.bmm_to_mm:BMMToMMPass",
+    "k1_matmul": "mfusion.passes.k1_matmul:K1MatMulPass",
+    "matmul_reshape_bias": "mfusion.passes.matmul_reshape_bias:MatMulReshapeBiasPass",
+    "matmul_bias": "mfusion.passes.matmul_bias:MatMulBiasPass",
+}
+
+
+def build_pass(name: str) -> MFusionPass:
+    """Instantiate the pass registered under ``name``."""
+    try:
+        location = PASS_REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown pass {name!r}; available: {sorted(PASS_REGISTRY)}") from None
+    module, attr = location.split(":")
+    return getattr(importlib.import_module(module), attr)()
