@@ -1,0 +1,115 @@
+"""BoostManager: apply (and remove) the single-device boosts to a model or a pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from liteboost._components import components
+from liteboost.attention.backends import parse_backend
+from liteboost.models.registry import Handle, find_boost, supported_boosts, unsupported
+from liteboost.ops.rain_fusion import SparseKernel
+
+
+@dataclass(frozen=True)
+class BoostConfig:
+    """Single-device boost settings, validated on construction (each is a CLI option too).
+
+    Attributes:
+        sparsity: share of key blocks skipped in self-attention, in [0, 1) (0 = dense).
+        rope_cache: cache RoPE tables per grid, dtype and device and rotate in fp32.
+        attention_backend: dense backend "fa3", "fa2", "npu" or "sdpa"; None = first usable.
+        block_size: tokens per sparse-attention block.
+        sparse_kernel: block-sparse kernel "npu", "flex" or "reference"; None = per device.
+    """
+
+    sparsity: float = 0.0
+    rope_cache: bool = True
+    attention_backend: str | None = None
+    block_size: int = 128
+    sparse_kernel: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sparsity < 1.0:
+            raise ValueError(
+                f"sparsity={self.sparsity} must be in [0, 1): the share of key blocks skipped"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be >= 1")
+        if self.attention_backend is not None:
+            object.__setattr__(
+                self, "attention_backend", parse_backend(self.attention_backend).value
+            )
+        if self.sparse_kernel is not None:
+            try:
+                object.__setattr__(self, "sparse_kernel", SparseKernel(self.sparse_kernel).value)
+            except ValueError:
+                allowed = ", ".join(k.value for k in SparseKernel)
+                raise ValueError(
+                    f"sparse_kernel={self.sparse_kernel!r}; use one of: {allowed}"
+                ) from None
+
+
+class BoostManager:
+    """Applies liteboost's single-device boosts in place; ``remove()`` (or ``with``) undoes them.
+
+    Example:
+        >>> manager = BoostManager(pipe, sparsity=0.8)  # doctest: +SKIP
+        >>> video = pipe(prompt, num_frames=81).frames  # doctest: +SKIP
+        >>> manager.remove()  # doctest: +SKIP
+
+    Args:
+        model_or_pipeline: a supported model (``liteboost.supported_boosts()``) or a diffusers
+            pipeline holding at least one.
+        sparsity: share of self-attention key blocks skipped, in [0, 1); 0 = dense attention.
+        rope_cache: cache RoPE tables and rotate with one complex multiply.
+        attention_backend: "fa3", "fa2", "npu" or "sdpa"; None = first usable (or the
+            ``LITEBOOST_ATTENTION_BACKEND`` environment variable).
+        block_size: tokens per sparse block (128 matches the NPU kernel).
+        sparse_kernel: "npu", "flex" or "reference"; None = NPU op where present, else flex.
+
+    Raises:
+        UnsupportedModelError: nothing in ``model_or_pipeline`` is supported; lists what is.
+        ValueError: a setting is out of range (the message names it and what is allowed).
+    """
+
+    def __init__(
+        self,
+        model_or_pipeline: object,
+        sparsity: float = 0.0,
+        rope_cache: bool = True,
+        attention_backend: str | None = None,
+        *,
+        block_size: int = 128,
+        sparse_kernel: str | None = None,
+    ) -> None:
+        self.config = BoostConfig(
+            sparsity=sparsity,
+            rope_cache=rope_cache,
+            attention_backend=attention_backend,
+            block_size=block_size,
+            sparse_kernel=sparse_kernel,
+        )
+        self.handles: dict[str, Handle] = {}
+        targets = [(name, m, find_boost(m)) for name, m in components(model_or_pipeline)]
+        targets = [(name, m, plan) for name, m, plan in targets if plan is not None]
+        if not targets:
+            raise unsupported(model_or_pipeline, "boost", supported_boosts())
+        for name, module, plan in targets:
+            self.handles[name] = plan(module, self.config)
+
+    @property
+    def boosted(self) -> list[str]:
+        """Names of the boosted components (``"model"`` for a bare model)."""
+        return list(self.handles)
+
+    def remove(self) -> None:
+        """Restore the stock processors and hooks of every boosted component."""
+        while self.handles:
+            _, handle = self.handles.popitem()
+            handle.remove()
+
+    def __enter__(self) -> BoostManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

@@ -1,0 +1,236 @@
+"""Wan2.1 / Wan2.2 plans: boost and Ulysses for WanTransformer3DModel, temporal DP for AutoencoderKLWan.
+
+Everything is attached through diffusers' extension points: processors through
+``WanAttention.set_processor``, per-forward facts through ``diffusers.hooks.HookRegistry`` hooks
+on the transformer, its ``rope`` module and its blocks. Every plan returns a handle whose
+``remove()`` restores the stock model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+from liteboost.attention.context import ForwardContext
+from liteboost.attention.processor import AttentionSettings, BoostedWanAttnProcessor
+from liteboost.models.registry import register_boost, register_parallel
+from liteboost.ops.rope import RopeTables, rope_tables
+from liteboost.parallel import vae_dp
+from liteboost.parallel.ulysses import UlyssesExchange
+
+# Wan builds WanRotaryPosEmbed with its default theta.
+_WAN_ROPE_THETA = 10000.0
+_STATE_ATTR = "_liteboost_state"
+
+
+class _GridHook(ModelHook):
+    """Records the post-patch token grid of each transformer forward in the shared context."""
+
+    def __init__(self, context: ForwardContext, patch_size: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.context, self.patch_size = context, tuple(patch_size)
+        self.world = 1
+
+    def pre_forward(self, module, *args, **kwargs):
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        _, _, frames, height, width = hidden_states.shape
+        pt, ph, pw = self.patch_size
+        self.context.set_grid((frames // pt, height // ph, width // pw), self.world)
+        return args, kwargs
+
+
+class _CachedRopeHook(ModelHook):
+    """Replaces WanRotaryPosEmbed's per-forward table build by a cached lookup."""
+
+    def __init__(self, context: ForwardContext, head_dim: int) -> None:
+        super().__init__()
+        self.context, self.head_dim = context, head_dim
+
+    def new_forward(self, module, hidden_states):
+        return rope_tables(
+            self.head_dim, self.context.grid, theta=_WAN_ROPE_THETA, device=hidden_states.device
+        )
+
+
+def _pad_rotary(rotary, total: int):
+    cos, sin = rotary[0], rotary[1]
+    if cos.shape[1] >= total:
+        return rotary
+    extra = total - cos.shape[1]
+    cos = torch.cat([cos, cos.new_zeros(1, extra, *cos.shape[2:])], dim=1)
+    sin = torch.cat([sin, sin.new_zeros(1, extra, *sin.shape[2:])], dim=1)
+    if isinstance(rotary, RopeTables):
+        freqs = torch.cat([rotary.freqs, rotary.freqs.new_zeros(extra, *rotary.freqs.shape[1:])])
+        return RopeTables(cos, sin, freqs)
+    return (cos, sin)
+
+
+class _UlyssesBlockHook(ModelHook):
+    """Shards a block's inputs along the sequence; the first block also shards hidden states."""
+
+    def __init__(self, context: ForwardContext, exchange: UlyssesExchange, first: bool, last: bool):
+        super().__init__()
+        self.context, self.exchange, self.first, self.last = context, exchange, first, last
+
+    def pre_forward(self, module, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        ctx, ex = self.context, self.exchange
+        total = ctx.shard_len * ex.degree
+        if self.first:
+            hidden_states = ex.shard(hidden_states, ctx.shard_len)
+        if temb.ndim == 4:  # Wan2.2 TI2V: one modulation per token
+            temb = ex.shard(temb, ctx.shard_len)
+        rotary = _pad_rotary(rotary_emb, total)
+        start = ex.rank * ctx.shard_len
+        if isinstance(rotary, RopeTables):
+            rotary = rotary.narrow(start, ctx.shard_len)
+        else:
+            rotary = tuple(t.narrow(1, start, ctx.shard_len) for t in rotary)
+        return (hidden_states, encoder_hidden_states, temb, rotary), {}
+
+    def post_forward(self, module, output):
+        if self.last:
+            return self.exchange.gather(output, self.context.seq_len)
+        return output
+
+
+@dataclass
+class WanTransformerState:
+    """liteboost's attachments to one WanTransformer3DModel, shared by boost and parallel plans."""
+
+    context: ForwardContext = field(default_factory=ForwardContext)
+    settings: AttentionSettings = field(default_factory=AttentionSettings)
+    original_processors: dict[str, Any] | None = None
+    users: set[str] = field(default_factory=set)
+
+
+def _state(model) -> WanTransformerState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        state = WanTransformerState()
+        setattr(model, _STATE_ATTR, state)
+    return state
+
+
+def _attach(model, user: str) -> WanTransformerState:
+    """Install the boosted processors and the grid hook (once per model), register ``user``."""
+    state = _state(model)
+    if not state.users:
+        state.original_processors = dict(model.attn_processors)
+        processor = BoostedWanAttnProcessor(state.settings, state.context)
+        model.set_attn_processor(processor)
+        registry = HookRegistry.check_if_exists_or_initialize(model)
+        registry.register_hook(_GridHook(state.context, model.config.patch_size), "liteboost.grid")
+    state.users.add(user)
+    return state
+
+
+def _detach(model, user: str) -> None:
+    state = _state(model)
+    state.users.discard(user)
+    if not state.users:
+        model.set_attn_processor(state.original_processors)
+        HookRegistry.check_if_exists_or_initialize(model).remove_hook(
+            "liteboost.grid", recurse=False
+        )
+        delattr(model, _STATE_ATTR)
+
+
+@dataclass
+class _WanBoostHandle:
+    model: Any
+    previous: AttentionSettings
+    rope_hooked: bool
+
+    def remove(self) -> None:
+        state = _state(self.model)
+        s = state.settings
+        s.sparsity, s.block_size = self.previous.sparsity, self.previous.block_size
+        s.attention_backend, s.sparse_kernel = (
+            self.previous.attention_backend,
+            self.previous.sparse_kernel,
+        )
+        if self.rope_hooked:
+            HookRegistry.check_if_exists_or_initialize(self.model.rope).remove_hook(
+                "liteboost.rope"
+            )
+        _detach(self.model, "boost")
+
+
+@register_boost("WanTransformer3DModel")
+def boost_wan_transformer(model, config) -> _WanBoostHandle:
+    """Sparse self-attention, the dense backend chain and cached RoPE on a Wan transformer."""
+    state = _attach(model, "boost")
+    s = state.settings
+    previous = AttentionSettings(s.sparsity, s.block_size, s.attention_backend, s.sparse_kernel)
+    s.sparsity, s.block_size = config.sparsity, config.block_size
+    s.attention_backend, s.sparse_kernel = config.attention_backend, config.sparse_kernel
+    if config.rope_cache:
+        head_dim = model.config.attention_head_dim
+        registry = HookRegistry.check_if_exists_or_initialize(model.rope)
+        registry.register_hook(_CachedRopeHook(state.context, head_dim), "liteboost.rope")
+    return _WanBoostHandle(model, previous, config.rope_cache)
+
+
+@dataclass
+class _WanUlyssesHandle:
+    model: Any
+
+    def remove(self) -> None:
+        state = _state(self.model)
+        state.settings.ulysses = None
+        for block in self.model.blocks:
+            HookRegistry.check_if_exists_or_initialize(block).remove_hook("liteboost.ulysses")
+        HookRegistry.check_if_exists_or_initialize(self.model).get_hook("liteboost.grid").world = 1
+        _detach(self.model, "parallel")
+
+
+@register_parallel("WanTransformer3DModel")
+def parallelize_wan_transformer(model, config) -> _WanUlyssesHandle | None:
+    """Ulysses over ``config.group`` on self-attention; None when the degree is 1."""
+    if config.ulysses_degree <= 1:
+        return None
+    exchange = UlyssesExchange(config.group, model.config.num_attention_heads, config.pad_heads)
+    state = _attach(model, "parallel")
+    state.settings.ulysses = exchange
+    HookRegistry.check_if_exists_or_initialize(model).get_hook(
+        "liteboost.grid"
+    ).world = exchange.degree
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):
+        hook = _UlyssesBlockHook(state.context, exchange, first=i == 0, last=i == last)
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, "liteboost.ulysses")
+    return _WanUlyssesHandle(model)
+
+
+@dataclass
+class _VaeHandle:
+    vae: Any
+
+    def remove(self) -> None:
+        del self.vae.decode
+
+
+@register_parallel("AutoencoderKLWan")
+def parallelize_wan_vae(vae, config) -> _VaeHandle | None:
+    """Temporal DP decode over ``config.group``; None when disabled or on one rank."""
+    if not config.vae_parallel or config.world_size <= 1:
+        return None
+    stock_decode = type(vae).decode.__get__(vae)
+    group, field_override = config.group_for_vae, config.vae_receptive_field
+
+    def decode(z: torch.Tensor, return_dict: bool = True):
+        frames = vae_dp.parallel_decode(
+            vae, z, lambda x: stock_decode(x).sample, group, field_override
+        )
+        if not return_dict:
+            return (frames,)
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        return DecoderOutput(sample=frames)
+
+    # An instance attribute shadows the class method for this VAE only; remove() deletes it.
+    vae.decode = decode
+    return _VaeHandle(vae)

@@ -1,0 +1,236 @@
+"""Block-sparse attention: for each query block, attend only the listed key blocks.
+
+Three kernels behind one signature: the Ascend ``RainFusionAttention`` op when torch_npu provides
+it, FlexAttention with a ``BlockMask`` (compiled once per shape, cached) on cpu and cuda, and a
+pure-PyTorch dense-mask reference kept for tests. Choosing *which* blocks to keep is
+``liteboost.ops.sparse_attention``'s job.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import math
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from npu_core._npu import import_torch_npu
+
+logger = logging.getLogger(__name__)
+
+
+class SparseKernel(enum.StrEnum):
+    """Kernels that run ``rain_fusion_attention``."""
+
+    NPU = "npu"
+    FLEX = "flex"
+    REFERENCE = "reference"
+
+
+_LAYOUTS = ("BNSD", "BSND")
+
+
+def check_layout(layout: str) -> None:
+    """Raise a ValueError naming the allowed layouts when ``layout`` is not one of them."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; use one of {_LAYOUTS}")
+
+
+def to_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """View ``x`` as [B, N, S, D] (a transpose for BSND, no copy)."""
+    return x if layout == "BNSD" else x.transpose(1, 2)
+
+
+def from_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """Inverse of :func:`to_bnsd`."""
+    return x if layout == "BNSD" else x.transpose(1, 2)
+
+
+def block_index_to_dense(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
+    """Boolean block mask [B, N, nq, nk] from a -1 padded index list [B, N, nq, K]."""
+    valid = block_index >= 0
+    dense = torch.zeros(
+        (*block_index.shape[:-1], num_kv_blocks + 1), dtype=torch.bool, device=block_index.device
+    )
+    # Padding (-1) is routed to an extra column that is dropped afterwards.
+    target = torch.where(valid, block_index, num_kv_blocks).long()
+    dense.scatter_(-1, target, True)
+    return dense[..., :num_kv_blocks]
+
+
+def reference_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dense SDPA with the block mask expanded to tokens; [B, N, S, D] in and out. Tests only."""
+    sq, sk = q.shape[-2], k.shape[-2]
+    dense = block_index_to_dense(block_index, math.ceil(sk / block_size))
+    token_mask = dense.repeat_interleave(block_size, -2)[..., :sq, :]
+    token_mask = token_mask.repeat_interleave(block_size, -1)[..., :sk]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=token_mask, scale=scale)
+
+
+# One compiled FlexAttention per (shape, dtype, device, block size): compiling costs 8-35 s on
+# CPU, so a process pays it once per shape. torch.compile's own guard cache would also work, but
+# an explicit table keeps several shapes from exhausting dynamo's per-function recompile limit.
+_FLEX_CACHE: dict[tuple, Callable[..., torch.Tensor]] = {}
+_FLEX_LOCK = threading.Lock()
+
+
+def _compiled_flex(key: tuple) -> Callable[..., torch.Tensor]:
+    with _FLEX_LOCK:
+        fn = _FLEX_CACHE.get(key)
+        if fn is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            fn = torch.compile(flex_attention, dynamic=False)
+            _FLEX_CACHE[key] = fn
+            logger.debug("compiling FlexAttention for %s", key)
+        return fn
+
+
+def build_block_mask(block_index: torch.Tensor, block_size: int, seq_len: tuple[int, int]):
+    """FlexAttention ``BlockMask`` from a -1 padded key-block list [B, N, nq, K].
+
+    Every listed block is passed as a *full* block (no per-token mask inside), so the kernel skips
+    mask evaluation; only the sequence tail, which FlexAttention bounds by ``seq_lengths``, is
+    partial.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    num_kv_blocks = math.ceil(seq_len[1] / block_size)
+    valid = block_index >= 0
+    counts = valid.sum(-1, dtype=torch.int32)
+    width = block_index.shape[-1]
+    indices = torch.where(valid, block_index, 0).to(torch.int32)
+    if width < num_kv_blocks:
+        pad = indices.new_zeros((*indices.shape[:-1], num_kv_blocks - width))
+        indices = torch.cat([indices, pad], dim=-1)
+    empty = torch.zeros_like(counts)
+    return BlockMask.from_kv_blocks(
+        empty,
+        torch.zeros_like(indices),
+        counts,
+        indices.contiguous(),
+        BLOCK_SIZE=block_size,
+        seq_lengths=seq_len,
+        compute_q_blocks=False,
+    )
+
+
+def flex_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+    block_mask=None,
+) -> torch.Tensor:
+    """FlexAttention kernel; [B, N, S, D] in and out. ``block_mask`` may be prebuilt."""
+    if block_mask is None:
+        block_mask = build_block_mask(block_index, block_size, (q.shape[-2], k.shape[-2]))
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, block_size)
+    fn = _compiled_flex(key)
+    return fn(q, k, v, block_mask=block_mask, scale=scale)
+
+
+@functools.cache
+def _npu_op() -> Callable[..., torch.Tensor] | None:
+    torch_npu = import_torch_npu()
+    if torch_npu is None:
+        return None
+    return getattr(torch_npu, "npu_rain_fusion_attention", None)
+
+
+def npu_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Ascend RainFusionAttention (aclnnRainFusionAttention); [B, N, S, D] in and out.
+
+    Argument names follow the aclnn interface (select_idx [.., nq, K] padded with -1,
+    select_num_idx [.., nq], block_shape). Not exercised on this project's CI (no NPU).
+    """
+    op = _npu_op()
+    if op is None:
+        raise RuntimeError("torch_npu with npu_rain_fusion_attention is not available here")
+    counts = (block_index >= 0).sum(-1, dtype=torch.int32)
+    return op(
+        q,
+        k,
+        v,
+        select_idx=block_index.to(torch.int64),
+        select_num_idx=counts.to(torch.int64),
+        block_shape=[block_size, block_size],
+        q_input_layout="BNSD",
+        kv_input_layout="BNSD",
+        num_key_value_heads=k.shape[1],
+        scale_value=scale if scale is not None else q.shape[-1] ** -0.5,
+    )
+
+
+def default_kernel(device: torch.device) -> SparseKernel:
+    """NPU op on an NPU device that provides it, else FlexAttention."""
+    if device.type == "npu" and _npu_op() is not None:
+        return SparseKernel.NPU
+    return SparseKernel.FLEX
+
+
+_KERNELS = {
+    SparseKernel.NPU: npu_block_sparse_attention,
+    SparseKernel.FLEX: flex_block_sparse_attention,
+    SparseKernel.REFERENCE: reference_block_sparse_attention,
+}
+
+
+def rain_fusion_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    *,
+    block_size: int = 128,
+    scale: float | None = None,
+    layout: str = "BNSD",
+    kernel: SparseKernel | str | None = None,
+) -> torch.Tensor:
+    """Block-sparse attention: query block i attends only key blocks ``block_index[..., i, :]``.
+
+    Args:
+        q: [B, N, Sq, D] (layout "BNSD") or [B, Sq, N, D] ("BSND"); fp32, bf16 or fp16.
+        k: like ``q`` with Sk tokens.
+        v: like ``k``.
+        block_index: int [B, N, ceil(Sq / block_size), K] key-block ids per query block, padded
+            with -1 (rows may keep different numbers of blocks). Every row must keep >= 1 block.
+        block_size: tokens per block, for queries and keys alike; the last block may be partial.
+        scale: softmax scale; default ``D ** -0.5``.
+        layout: "BNSD" or "BSND", for inputs and output alike.
+        kernel: force "npu", "flex" or "reference"; default: NPU op where present, else flex.
+
+    Returns:
+        The attention output in ``layout``, dtype of ``q``.
+    """
+    check_layout(layout)
+    qb, kb, vb = (to_bnsd(t, layout) for t in (q, k, v))
+    expected = (qb.shape[0], qb.shape[1], math.ceil(qb.shape[-2] / block_size))
+    if block_index.dim() != 4 or tuple(block_index.shape[:3]) != expected:
+        raise ValueError(
+            f"block_index has shape {tuple(block_index.shape)}; expected [B, N, nq, K] with "
+            f"[B, N, nq] = {list(expected)} for block_size={block_size}"
+        )
+    kernel = SparseKernel(kernel) if kernel is not None else default_kernel(qb.device)
+    out = _KERNELS[kernel](qb, kb, vb, block_index, block_size, scale)
+    return from_bnsd(out, layout)

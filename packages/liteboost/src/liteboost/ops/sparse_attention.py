@@ -1,0 +1,209 @@
+"""High-level block-sparse attention for video tokens: tile, pool, score, keep top-k, attend, untile.
+
+Sequence layout: ``latent_shape`` video tokens (raster order, frame-major, as diffusers flattens
+them) followed by ``text_len`` text tokens (joint-attention models; Wan's self-attention has
+none). Text query blocks attend everything, text key blocks and first-frame key blocks are
+always kept, and the remaining budget goes to the key blocks whose pooled key scores highest
+against the pooled query, per batch element and head (the two halves of a CFG batch differ).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from liteboost.attention.backends import flash_attention
+from liteboost.ops import tiling
+from liteboost.ops.rain_fusion import (
+    SparseKernel,
+    check_layout,
+    from_bnsd,
+    rain_fusion_attention,
+    to_bnsd,
+)
+
+
+@dataclass(frozen=True)
+class SparsePlan:
+    """What :func:`plan_sparse_attention` decided for one call, reusable across layers.
+
+    Attributes:
+        layout: the video token permutation.
+        block_index: int32 [B, N, nq, K] kept key blocks per query block, -1 padded.
+        keep: key blocks kept per video query row (forced blocks included).
+    """
+
+    layout: tiling.TileLayout
+    block_index: torch.Tensor
+    keep: int
+
+
+def _check_sparsity(sparsity: float) -> None:
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity={sparsity} must be in [0, 1): the share of key blocks skipped")
+
+
+def _pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean over consecutive blocks of ``x`` [B, N, S, D] -> [B, N, ceil(S / bs), D] (fp32)."""
+    b, n, s, d = x.shape
+    blocks = math.ceil(s / block_size)
+    pad = blocks * block_size - s
+    xf = x.float()
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
+    sums = xf.view(b, n, blocks, block_size, d).sum(-2)
+    counts = torch.full((blocks,), float(block_size), device=x.device)
+    counts[-1] = block_size - pad
+    return sums / counts.view(1, 1, -1, 1)
+
+
+def select_blocks(
+    q_tiled: torch.Tensor,
+    k_tiled: torch.Tensor,
+    *,
+    video_len: int,
+    first_frame_tokens: int,
+    sparsity: float,
+    block_size: int,
+) -> tuple[torch.Tensor, int]:
+    """Top-k key blocks per query block from pooled scores; [B, N, S, D] tiled inputs.
+
+    Returns:
+        (block_index int32 [B, N, nq, K] padded with -1, keep per video query block).
+    """
+    nq = math.ceil(q_tiled.shape[-2] / block_size)
+    nk = math.ceil(k_tiled.shape[-2] / block_size)
+    scores = _pool_blocks(q_tiled, block_size) @ _pool_blocks(k_tiled, block_size).transpose(-1, -2)
+    forced = torch.zeros(nk, dtype=torch.bool, device=scores.device)
+    has_text = k_tiled.shape[-2] > video_len
+    if has_text:
+        forced[video_len // block_size :] = True  # blocks holding any text token
+    if first_frame_tokens:
+        forced[: math.ceil(first_frame_tokens / block_size)] = True
+    keep = min(nk, max(int(forced.sum()), math.ceil((1.0 - sparsity) * nk), 1))
+    scores = scores.masked_fill(forced, torch.inf)
+    index = scores.topk(keep, dim=-1, sorted=False).indices.to(torch.int32)
+    text_rows = torch.arange(nq, device=scores.device) >= video_len // block_size
+    if keep < nk and has_text:
+        # Text query rows (and the boundary block) attend every key block.
+        full = torch.arange(nk, device=scores.device, dtype=torch.int32)
+        padded = torch.cat([index, index.new_full((*index.shape[:-1], nk - keep), -1)], dim=-1)
+        index = torch.where(text_rows.view(-1, 1), full, padded)
+    return index, keep
+
+
+def plan_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    latent_shape: tuple[int, int, int],
+    text_len: int = 0,
+    sparsity: float,
+    block_size: int = 128,
+    tile: tuple[int, int, int] | None = None,
+    first_frame_sink: bool = True,
+) -> SparsePlan:
+    """Tile layout and kept blocks for [B, N, S, D] ``q``/``k`` (untiled, BNSD)."""
+    _check_sparsity(sparsity)
+    frames, height, width = latent_shape
+    video_len = frames * height * width
+    if q.shape[-2] != video_len + text_len or k.shape[-2] != video_len + text_len:
+        raise ValueError(
+            f"sequence length {q.shape[-2]} (keys {k.shape[-2]}) != latent tokens "
+            f"{frames}*{height}*{width} + text_len {text_len} = {video_len + text_len}"
+        )
+    layout = tiling.tile_layout(
+        latent_shape, tile or tiling.default_tile(block_size), q.device, first_frame_sink
+    )
+    index, keep = select_blocks(
+        tiling.reorder(q, layout, seq_dim=2),
+        tiling.reorder(k, layout, seq_dim=2),
+        video_len=video_len,
+        first_frame_tokens=layout.first_frame_tokens,
+        sparsity=sparsity,
+        block_size=block_size,
+    )
+    return SparsePlan(layout, index, keep)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    latent_shape: tuple[int, int, int],
+    text_len: int = 0,
+    sparsity: float,
+    block_size: int = 128,
+    layout: str = "BNSD",
+    first_frame_sink: bool = True,
+    tile: tuple[int, int, int] | None = None,
+    scale: float | None = None,
+    kernel: SparseKernel | str | None = None,
+) -> torch.Tensor:
+    """Block-sparse self-attention over video (+ text) tokens; dense attention at sparsity 0.
+
+    Args:
+        q: [B, N, S, D] ("BNSD") or [B, S, N, D] ("BSND"), S = prod(latent_shape) + text_len.
+        k: like ``q``.
+        v: like ``q``.
+        latent_shape: token grid (frames, height, width) after patching, e.g. (21, 30, 52) for
+            Wan 480p 81 frames.
+        text_len: text tokens after the video tokens (0 for Wan self-attention).
+        sparsity: share of key blocks skipped per query block, in [0, 1). 0 runs dense
+            attention through :func:`liteboost.attention.flash_attention` (identical output).
+        block_size: tokens per block.
+        layout: "BNSD" or "BSND", for inputs and output alike.
+        first_frame_sink: tile frame 0 on its own and always keep its key blocks.
+        tile: (frames, rows, cols) per tile; default about ``block_size`` tokens (2 x 8 x 8).
+        scale: softmax scale; default ``D ** -0.5``.
+        kernel: forwarded to :func:`rain_fusion_attention`.
+
+    Returns:
+        Output in ``layout``, token order of the input.
+    """
+    check_layout(layout)
+    _check_sparsity(sparsity)
+    if sparsity == 0.0:
+        return flash_attention(q, k, v, layout=layout, scale=scale)
+    qb, kb, vb = (to_bnsd(t, layout) for t in (q, k, v))
+    plan = plan_sparse_attention(
+        qb,
+        kb,
+        latent_shape=latent_shape,
+        text_len=text_len,
+        sparsity=sparsity,
+        block_size=block_size,
+        tile=tile,
+        first_frame_sink=first_frame_sink,
+    )
+    return apply_sparse_plan(
+        qb, kb, vb, plan, block_size=block_size, scale=scale, kernel=kernel, layout=layout
+    )
+
+
+def apply_sparse_plan(
+    qb: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    plan: SparsePlan,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    kernel: SparseKernel | str | None = None,
+    layout: str = "BNSD",
+) -> torch.Tensor:
+    """Reorder BNSD inputs, run the block-sparse op with ``plan``, restore token order."""
+    qt, kt, vt = (tiling.reorder(t, plan.layout, seq_dim=2) for t in (qb, kb, vb))
+    out = rain_fusion_attention(
+        qt.contiguous(),
+        kt.contiguous(),
+        vt.contiguous(),
+        plan.block_index,
+        block_size=block_size,
+        scale=scale,
+        kernel=kernel,
+    )
+    return from_bnsd(tiling.restore(out, plan.layout, seq_dim=2), layout)
