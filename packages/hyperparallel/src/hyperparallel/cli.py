@@ -81,9 +81,20 @@ def train(
     resume: Annotated[
         bool, typer.Option(help="Continue from the last complete checkpoint.")
     ] = False,
+    activation: Annotated[
+        str | None,
+        typer.Option(
+            help="Block activation policy: none, recompute, save, swap, selective, "
+            "selective_swap (activation.* fields tune it further)."
+        ),
+    ] = None,
+    swap_inputs: Annotated[
+        bool | None, typer.Option(help="Swap block inputs to host between forward and backward.")
+    ] = None,
 ) -> None:
     """Train the MoE transformer on N local CPU ranks (or under torchrun, unchanged).
 
+    Prints the saved-activation bytes of a step by placement (device / host / recomputed).
     Writes OUT_DIR/metrics.json, OUT_DIR/loss.png and DCP checkpoints in OUT_DIR/checkpoints.
     """
     if preset not in PRESETS:
@@ -94,6 +105,8 @@ def train(
         "steps": steps,
         "data.path": data,
         "out_dir": out_dir,
+        "activation.policy": activation,
+        "activation.swap_inputs": None if swap_inputs is None else str(swap_inputs).lower(),
     }
     overrides = [
         *(set_ or []),
@@ -118,6 +131,13 @@ def train(
             f"steps {first.first_step}->{first.last_step}: loss {first.train_losses[0]:.3f} -> "
             f"{first.train_losses[-1]:.3f}"
             + (f", val {first.val_losses[-1]:.3f}" if first.val_losses else "")
+        )
+    if first.activation:
+        a = first.activation
+        console.print(
+            f"saved activations per step (rank 0, {a['regions']} checkpointed blocks): "
+            f"device {a['device_bytes'] / 2**20:.2f} MiB, host {a['host_bytes'] / 2**20:.2f} "
+            f"MiB, recomputed {a['recomputed_bytes'] / 2**20:.2f} MiB"
         )
     console.print(
         f"wrote {cfg.out_dir}/metrics.json, {cfg.out_dir}/loss.png, {cfg.out_dir}/checkpoints"

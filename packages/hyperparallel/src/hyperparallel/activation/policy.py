@@ -17,7 +17,7 @@ import torch
 aten = torch.ops.aten
 
 
-class CheckpointPolicy(str, enum.Enum):
+class CheckpointPolicy(enum.StrEnum):
     """What happens to one op's output between forward and backward.
 
     MUST_* choices are kept or refused with an error; PREFER_* may be changed when keeping them

@@ -261,9 +261,12 @@ class Region:
         (args, kwargs), self._call = self._call, None
         token = _CURRENT.set(self)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                with _ForwardMode(self) as self._mode:
-                    out = self.fn(*args, **kwargs)
+            self._mode = _ForwardMode(self)
+            with (
+                torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+                self._mode,
+            ):
+                out = self.fn(*args, **kwargs)
         finally:
             _CURRENT.reset(token)
         self._finish_forward(out)
@@ -400,7 +403,8 @@ class Region:
         if session is not None:
             session.add(self)
         if self._schedule is not None:
-            if self._swapped or self.swap_inputs:
+            wanted = self._swapped or self.swap_inputs or self._schedule.recompute_ahead
+            if wanted and self._schedule.needs_backward_hook:
                 grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
                 grads = [t for t in grads if t.requires_grad]
                 if grads:
@@ -470,6 +474,13 @@ class Region:
         if slot.position not in self._recomputed:
             self.recompute()
         return self._recomputed.pop(slot.position)
+
+    def recompute_now(self) -> None:
+        """Recompute ahead of backward; an FSDP2 region first gathers its parameters."""
+        unshard = getattr(self.owner, "unshard", None)
+        if unshard is not None and hasattr(self.owner, "reshard"):
+            unshard()
+        self.recompute()
 
     def recompute(self) -> None:
         """Replay the region now so backward finds its tensors; a no-op while results wait."""

@@ -42,13 +42,8 @@ class RecomputeHandle:
         backward then finds them already gathered.
         """
         region = self._region()
-        if region is None:
-            return  # backward already ran
-        owner = region.owner
-        unshard = getattr(owner, "unshard", None)
-        if unshard is not None and hasattr(owner, "reshard"):
-            unshard()
-        region.recompute()
+        if region is not None:  # None: backward already ran
+            region.recompute_now()
 
     @property
     def done(self) -> bool:
@@ -153,6 +148,9 @@ class EarlyRecompute1F1B(Schedule1F1B):
         super().__init__(*args, **kwargs)
         self.session = RecomputeSession()
         self.early_recomputes: list[int] = []
+        """Micro-batches recomputed ahead of their backward, in schedule order."""
+        self.recomputed_handles: list[RecomputeHandle] = []
+        """Their handles (for inspection: each should show one recompute and be done)."""
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any:
         stage = self._stage
@@ -169,9 +167,10 @@ class EarlyRecompute1F1B(Schedule1F1B):
 
         def get_bwd_recv_ops(bwd_chunk_id: int) -> Any:
             ops = recv(bwd_chunk_id)
-            if session.handles(bwd_chunk_id):
+            if handles := session.handles(bwd_chunk_id):
                 session.recompute(bwd_chunk_id)
                 self.early_recomputes.append(bwd_chunk_id)
+                self.recomputed_handles.extend(handles)
             return ops
 
         def backward_one_chunk(bwd_chunk_id: int, *a: Any, **kw: Any) -> Any:

@@ -152,13 +152,17 @@ class SwapSchedule:
         prefetch_ahead: when backward reaches region ``k`` (a hook on the gradient of its
             outputs), start copying back everything swapped by regions ``k-1 .. k-ahead``; 0
             copies back only on demand, when backward unpacks a swapped tensor.
+        recompute_ahead: at the same moment, recompute regions ``k-1 .. k-ahead`` (early
+            recompute: on an accelerator it can overlap region ``k``'s gradient communication);
+            their backward reuses the results.
     """
 
     offload_after: int = 0
     prefetch_ahead: int = 1
+    recompute_ahead: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("offload_after", "prefetch_ahead"):
+        for name in ("offload_after", "prefetch_ahead", "recompute_ahead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         self._regions: list[weakref.ref] = []
@@ -195,6 +199,14 @@ class SwapSchedule:
         for earlier in refs[max(0, k - self.prefetch_ahead) : k]:
             if earlier is not None:
                 earlier.prefetch()
+        for earlier in refs[max(0, k - self.recompute_ahead) : k]:
+            if earlier is not None:
+                earlier.recompute_now()
+
+    @property
+    def needs_backward_hook(self) -> bool:
+        """Whether regions must report when backward reaches them."""
+        return self.prefetch_ahead > 0 or self.recompute_ahead > 0
 
 
 _SCHEDULE: contextvars.ContextVar[SwapSchedule | None] = contextvars.ContextVar(

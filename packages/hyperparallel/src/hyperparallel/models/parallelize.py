@@ -8,6 +8,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from hyperparallel.activation import checkpoint_wrapper, resolve
+
 _MESH = re.compile(r"^(?:(fsdp)|(\d+)x(\d+))$")
 
 
@@ -46,4 +48,26 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def apply_activation_memory(
+    model: nn.Module,
+    policies: list[str],
+    *,
+    swap_inputs: bool = False,
+    swap_threshold_bytes: int = 1 << 16,
+) -> nn.Module:
+    """Make each block a checkpointed region with its own policy (``"none"`` leaves it alone).
+
+    ``policies[i]`` applies to block i; the last entry repeats for the remaining blocks. Apply
+    before or after :func:`apply_fsdp`; parameter names do not change.
+    """
+    if not policies:
+        return model
+    for i, layer in enumerate(model.layers):
+        name = policies[min(i, len(policies) - 1)]
+        if name != "none":
+            policy = resolve(name, swap_threshold_bytes)
+            checkpoint_wrapper(layer, policy, swap_inputs=swap_inputs)
     return model

@@ -10,8 +10,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hyperparallel.activation.policy import POLICY_NAMES
 from hyperparallel.models.moe import MoEConfig
 
 
@@ -48,11 +49,53 @@ class ParallelConfig(_Strict):
     )
 
 
+class ActivationConfig(_Strict):
+    policy: str = Field(
+        "none",
+        description="Per-block activation policy: none (no checkpoint), recompute, save, swap, "
+        "selective (save matmuls, recompute the rest) or selective_swap.",
+    )
+    per_block: list[str] = Field(
+        default_factory=list,
+        description="Policy of block i (same names); blocks beyond the list use `policy`.",
+    )
+    swap_inputs: bool = Field(False, description="Swap each block's inputs to host after forward.")
+    swap_threshold_bytes: int = Field(
+        65536, ge=0, description="selective_swap: smallest saved output worth swapping."
+    )
+    offload_after: int = Field(
+        0, ge=0, description="Offload block k's inputs when block k+N's forward starts."
+    )
+    prefetch_ahead: int = Field(
+        1, ge=0, description="When backward reaches block k, bring back blocks k-1..k-N."
+    )
+    early_recompute: int = Field(
+        0, ge=0, description="When backward reaches block k, recompute blocks k-1..k-N early."
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in ("none", *POLICY_NAMES):
+            raise ValueError(f"{value!r}: choose none, {', '.join(POLICY_NAMES)}")
+        return value
+
+    @field_validator("per_block")
+    @classmethod
+    def _known_each(cls, values: list[str]) -> list[str]:
+        for value in values:
+            cls._known(value)
+        return values
+
+
 class TrainConfig(_Strict):
     model: MoEConfig = Field(default_factory=MoEConfig, description="Model shape.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus and batching.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizers.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Ranks, mesh.")
+    activation: ActivationConfig = Field(
+        default_factory=ActivationConfig, description="Activation recompute / swap per block."
+    )
     steps: int = Field(200, ge=1, description="Optimizer steps in total (a resumed run included).")
     eval_every: int = Field(50, ge=1, description="Steps between validation passes.")
     eval_batches: int = Field(4, ge=1, description="Held-out batches per validation pass.")

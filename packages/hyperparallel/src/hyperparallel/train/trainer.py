@@ -19,9 +19,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mccl
+from hyperparallel.activation import ActivationTracker, SwapSchedule
 from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
 from hyperparallel.models.moe import MoETransformer
-from hyperparallel.models.parallelize import apply_fsdp, build_mesh, parse_mesh
+from hyperparallel.models.parallelize import (
+    apply_activation_memory,
+    apply_fsdp,
+    build_mesh,
+    parse_mesh,
+)
 from hyperparallel.optim import get_hyper_optimizer
 from hyperparallel.train import checkpoint
 from hyperparallel.train.config import TrainConfig
@@ -41,6 +47,8 @@ class TrainResult:
     train_losses: list[float]
     val_losses: list[float]
     skipped_muon_steps: int
+    activation: dict[str, int]
+    """Saved-activation bytes of this rank's last training step, by placement."""
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -75,6 +83,11 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         cfg.seed,
     )
     rank, world = dist.get_rank(), dist.get_world_size()  # waits for mccl here
+    act = cfg.activation
+    policies = [*act.per_block, *[act.policy] * cfg.model.n_layers][: cfg.model.n_layers]
+    apply_activation_memory(
+        model, policies, swap_inputs=act.swap_inputs, swap_threshold_bytes=act.swap_threshold_bytes
+    )
     apply_fsdp(model, build_mesh(parse_mesh(cfg.parallel.mesh, world), device.type))
     optimizer = get_hyper_optimizer(
         model,
@@ -100,8 +113,11 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             group["lr"] = base * lr_factor(step, cfg)
         began = time.perf_counter()
         inputs, targets = data.train_batch(step, rank, cfg.data.batch_size)
-        logits, balance = model(inputs.to(device))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
+        schedule = SwapSchedule(act.offload_after, act.prefetch_ahead, act.early_recompute)
+        with ActivationTracker() as tracker, schedule:
+            logits, balance = model(inputs.to(device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
+        saved = tracker.report()
         (loss + cfg.optim.balance_weight * balance).backward()
         opt_began = time.perf_counter()
         optimizer.step()
@@ -115,6 +131,9 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             "lr_factor": lr_factor(step, cfg),
             "tokens_per_s": world * inputs.numel() / (time.perf_counter() - began),
             "optim_ms": optim_ms,
+            "saved_device_mb": saved.device_bytes / 2**20,
+            "saved_host_mb": saved.host_bytes / 2**20,
+            "saved_recomputed_mb": saved.recomputed_bytes / 2**20,
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record["val_loss"] = _validate(model, data, rank, cfg, device)
@@ -133,7 +152,13 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         log.write(out / "metrics.json", cfg.model_dump())
         log.plot(out / "loss.png")
     return TrainResult(
-        rank, start, cfg.steps, train_losses, val_losses, sum(optimizer.muon.skipped_steps.values())
+        rank,
+        start,
+        cfg.steps,
+        train_losses,
+        val_losses,
+        sum(optimizer.muon.skipped_steps.values()),
+        saved.to_dict() if start < cfg.steps else {},
     )
 
 
