@@ -6,6 +6,7 @@ backend-aware automatic fusion; ``mfusion.report()`` says what was rewritten, re
 
 from importlib.metadata import PackageNotFoundError, version
 
+from mfusion.backends import mlir_cpu as _mlir_cpu  # noqa: F401  (registers mfusion::mlir_region)
 from mfusion.config import BackendName, MFusionConfig
 from mfusion.install import enabled, install, is_installed, uninstall
 from mfusion.passes.manager import MFusionPassManager

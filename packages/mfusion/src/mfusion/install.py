@@ -9,6 +9,7 @@ from typing import Any
 
 import torch._inductor.config as inductor_config
 
+from mfusion.backends.registry import get_backend
 from mfusion.config import BackendName, MFusionConfig
 from mfusion.passes.manager import MFusionPassManager
 
@@ -44,6 +45,7 @@ def install(
         auto_fuse=auto_fuse,
         **options,
     )
+    get_backend(config.resolved_backend())  # fail here, not in the middle of a compile
     manager = MFusionPassManager(config)
     with _LOCK:
         current = inductor_config.post_grad_custom_post_pass

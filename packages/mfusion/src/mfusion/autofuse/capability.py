@@ -1,0 +1,122 @@
+"""Capability tables: which ops, dtypes and shapes a kernel backend can take into a fused region.
+
+Tables are data. A backend's table is consulted node by node; a node it refuses stays outside
+every region (and therefore with Inductor), with the reason recorded for the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import fx
+
+from mfusion.autofuse.classify import RegionKind
+from mfusion.passes._graph import CONVERT, aten, tensor_val
+
+ELEMENTWISE_OPS = (
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.neg.default,
+    aten.exp.default,
+    aten.tanh.default,
+    aten.erf.default,
+    aten.sigmoid.default,
+    aten.rsqrt.default,
+    aten.sqrt.default,
+    aten.relu.default,
+    aten.pow.Tensor_Scalar,
+    aten.where.self,
+    aten.maximum.default,
+    aten.minimum.default,
+    CONVERT,
+)
+REDUCE_OPS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default)
+RESHAPE_OPS = (
+    aten.view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.expand.default,
+)
+MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten.addmm.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCapability:
+    """What a backend accepts for one op."""
+
+    kind: RegionKind
+    dtypes: frozenset[torch.dtype]
+    max_rank: int = 6
+    max_numel: int | None = None
+    static_shapes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CapabilityTable:
+    """The ops one backend can fuse, with per-op dtype and shape limits."""
+
+    backend: str
+    ops: Mapping[object, OpCapability]
+    matmul_epilogue_only: bool = True
+    """A matmul may lead a region (followed by elementwise epilogue), never sit behind a reduce."""
+
+    def check(self, node: fx.Node) -> OpCapability | str:
+        """The capability for ``node``, or why this backend cannot take it."""
+        if node.op != "call_function":
+            return "not an op call"
+        cap = self.ops.get(node.target)
+        if cap is None:
+            return f"{node.target} is not in the {self.backend} capability table"
+        out = tensor_val(node)
+        if out is None:
+            return "no tensor metadata"
+        values = [out] + [v for v in map(tensor_val, node.all_input_nodes) if v is not None]
+        for value in values:
+            if value.dtype not in cap.dtypes:
+                return f"dtype {value.dtype} not supported by {self.backend} for {node.target}"
+            if value.dim() > cap.max_rank:
+                return f"rank {value.dim()} above {self.backend}'s limit {cap.max_rank}"
+            static = all(isinstance(s, int) for s in value.shape)
+            if cap.static_shapes and not static:
+                return f"symbolic shape {tuple(value.shape)}: {self.backend} compiles static shapes"
+            if cap.max_numel is not None and static and value.numel() > cap.max_numel:
+                return f"{value.numel()} elements above {self.backend}'s limit {cap.max_numel}"
+        return cap
+
+
+def _table(
+    backend: str,
+    groups: Mapping[RegionKind, tuple[object, ...]],
+    dtypes: frozenset[torch.dtype],
+    **limits: object,
+) -> CapabilityTable:
+    ops = {
+        op: OpCapability(kind, dtypes, **limits) for kind, group in groups.items() for op in group
+    }
+    return CapabilityTable(backend, ops)
+
+
+FLOATS = frozenset({torch.float32, torch.bfloat16, torch.float16})
+ALL_KINDS = {
+    RegionKind.ELEMENTWISE: ELEMENTWISE_OPS,
+    RegionKind.REDUCE: REDUCE_OPS,
+    RegionKind.RESHAPE: RESHAPE_OPS,
+    RegionKind.MATMUL: MATMUL_OPS,
+}
+
+INDUCTOR_TABLE = _table("inductor", ALL_KINDS, FLOATS | {torch.float64})
+# The JIT lowers linalg to scalar loops; matmuls would lose to the BLAS call Inductor makes, so
+# the table leaves them out. Static shapes only: each shape is one compiled kernel.
+MLIR_CPU_TABLE = _table(
+    "mlir-cpu",
+    {k: v for k, v in ALL_KINDS.items() if k is not RegionKind.MATMUL},
+    frozenset({torch.float32}),
+    max_numel=1 << 24,
+    static_shapes=True,
+)
+NPU_TABLE = _table("npu", ALL_KINDS, FLOATS, max_rank=8)

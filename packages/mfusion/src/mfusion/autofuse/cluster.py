@@ -1,0 +1,138 @@
+"""Grow fusion regions over the FX dependency graph with union-find, rejecting cyclic merges.
+
+Nodes are visited in graph order; each candidate tries to join the region of each candidate
+producer. A merge is refused when the union would have a path that leaves it and comes back
+(outlining it as one call would then need its own output as an input), when it would put a
+matmul behind a reduction, or when the region would exceed the size limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx
+
+from mfusion.autofuse.classify import RegionKind
+
+
+class UnionFind:
+    """Disjoint sets over hashable items with path halving and union by size."""
+
+    def __init__(self) -> None:
+        self.parent: dict[object, object] = {}
+        self.size: dict[object, int] = {}
+
+    def add(self, item: object) -> None:
+        self.parent.setdefault(item, item)
+        self.size.setdefault(item, 1)
+
+    def find(self, item: object) -> object:
+        while self.parent[item] is not item:
+            self.parent[item] = self.parent[self.parent[item]]
+            item = self.parent[item]
+        return item
+
+    def union(self, a: object, b: object) -> object:
+        ra, rb = self.find(a), self.find(b)
+        if ra is rb:
+            return ra
+        if self.size[ra] < self.size[rb]:
+            ra, rb = rb, ra
+        self.parent[rb] = ra
+        self.size[ra] += self.size[rb]
+        return ra
+
+
+@dataclasses.dataclass
+class Region:
+    """A set of nodes to fuse, in graph order, with per-node kinds."""
+
+    nodes: list[fx.Node]
+    kinds: dict[fx.Node, RegionKind]
+
+    @property
+    def members(self) -> set[fx.Node]:
+        return set(self.nodes)
+
+
+def creates_cycle(members: set[fx.Node], order: dict[fx.Node, int]) -> bool:
+    """True if some path leaves ``members`` and re-enters it (a contraction cycle).
+
+    The search only follows nodes positioned before the last member: a path that re-enters must
+    end at a member, and graph order is topological.
+    """
+    limit = max(order[n] for n in members)
+    stack = [u for n in members for u in n.users if u not in members and order[u] < limit]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user in members:
+                return True
+            if order[user] < limit:
+                stack.append(user)
+    return False
+
+
+def grow_regions(
+    graph: fx.Graph,
+    kinds: dict[fx.Node, RegionKind],
+    *,
+    max_ops: int,
+    matmul_epilogue_only: bool = True,
+) -> list[Region]:
+    """Partition the candidate nodes (keys of ``kinds``) into acyclic regions.
+
+    Args:
+        graph: The graph; its node order must be topological (FX guarantees it).
+        kinds: Candidate nodes (those the backend's capability table accepts) and their kinds.
+        max_ops: Largest region size.
+        matmul_epilogue_only: Refuse merges that put a matmul after a reduction or a second
+            matmul into a region.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    uf = UnionFind()
+    sets: dict[object, set[fx.Node]] = {}
+    for node in graph.nodes:
+        if node not in kinds:
+            continue
+        uf.add(node)
+        sets[node] = {node}
+        for producer in node.all_input_nodes:
+            if producer not in kinds:
+                continue
+            ra, rb = uf.find(node), uf.find(producer)
+            if ra is rb:
+                continue
+            merged = sets[ra] | sets[rb]
+            if len(merged) > max_ops:
+                continue
+            if matmul_epilogue_only and not _legal_matmul_mix(merged, kinds, order):
+                continue
+            if creates_cycle(merged, order):
+                continue
+            root = uf.union(ra, rb)
+            sets[root] = merged
+    regions = []
+    for root, members in sets.items():
+        if uf.find(root) is root:
+            nodes = sorted(members, key=order.__getitem__)
+            regions.append(Region(nodes, {n: kinds[n] for n in nodes}))
+    regions.sort(key=lambda r: order[r.nodes[0]])
+    return regions
+
+
+def _legal_matmul_mix(
+    members: set[fx.Node], kinds: dict[fx.Node, RegionKind], order: dict[fx.Node, int]
+) -> bool:
+    """At most one matmul, no reduction next to it, and everything else is its epilogue."""
+    matmuls = [n for n in members if kinds[n] is RegionKind.MATMUL]
+    if not matmuls:
+        return True
+    if len(matmuls) > 1 or any(kinds[n] is RegionKind.REDUCE for n in members):
+        return False
+    first = order[matmuls[0]]
+    return all(order[n] >= first for n in members)

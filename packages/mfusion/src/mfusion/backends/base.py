@@ -1,0 +1,32 @@
+"""The interface every kernel backend implements."""
+
+from __future__ import annotations
+
+import abc
+
+from mfusion.autofuse.capability import CapabilityTable
+from mfusion.autofuse.classify import RegionKind
+from mfusion.autofuse.outline import OutlinedRegion
+
+# A compiled region is the op to call and the extra (non-tensor) arguments after its inputs;
+# a string instead says why the backend leaves the region to Inductor.
+RegionCall = tuple[object, tuple[object, ...]]
+
+
+class KernelBackend(abc.ABC):
+    """Takes fused regions and either returns a call that runs them or a reason to decline.
+
+    Declining is always safe: the region's nodes stay in the graph and Inductor compiles them.
+    """
+
+    name: str
+    table: CapabilityTable
+
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls) -> bool:
+        """True if this backend can run on this machine."""
+
+    @abc.abstractmethod
+    def compile_region(self, region: OutlinedRegion, kind: RegionKind) -> RegionCall | str:
+        """Compile ``region`` (a stand-alone graph module) or say why not."""
