@@ -350,7 +350,10 @@ class Region:
             if index is not None and self.swap_inputs:
                 self._input_slots += 1
                 return _InputSlot(index, TensorMeta.of(tensor))
-            return self._keep(tensor, f"a tensor from outside checkpoint region {self.name!r}")
+            what = f"a tensor from outside checkpoint region {self.name!r}"
+            if index is not None:
+                what = f"input {index} of checkpoint region {self.name!r}"
+            return self._keep(tensor, what)
         if record.policy.is_save:
             return self._keep(tensor, f"output of {record.op} in {self.name!r}")
         if record.policy.is_swap:
