@@ -269,6 +269,7 @@ class Region:
                 out = self.fn(*args, **kwargs)
         finally:
             _CURRENT.reset(token)
+            self._mode = None  # the mode refers back to the region: no cycle outlives forward
         self._finish_forward(out)
         return out
 
@@ -494,7 +495,8 @@ class Region:
             if i in self._input_swaps or i in self._inputs:
                 leaves[i] = self._input(i).detach().requires_grad_(meta.requires_grad)
         args, kwargs = tree_unflatten(leaves, self._spec)
-        self.prefetch()
+        for swap in self._swapped:  # everything replay may read, in one batch of copies
+            swap.prefetch()
         self._results: dict[int, torch.Tensor] = {}
         self._replay_ops = self._replay_packs = self._replay_excluded = 0
         token = _CURRENT.set(self)
