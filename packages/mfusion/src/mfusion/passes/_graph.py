@@ -163,3 +163,16 @@ def op_counts(graph: fx.Graph) -> dict[str, int]:
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
+
+
+def cast_target(node: object) -> torch.dtype | None:
+    """The dtype a pure dtype cast converts to (post-grad ``convert_element_type`` or traced
+    ``_to_copy(dtype=...)``); None when ``node`` is not such a cast."""
+    if is_op(node, CONVERT):
+        return node.args[1]
+    if is_op(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype", "layout", "device"}:
+        source = tensor_val(node.args[0])
+        out = tensor_val(node)
+        if source is not None and out is not None and source.device == out.device:
+            return node.kwargs.get("dtype")
+    return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import fx
 
 from mfusion.config import MFusionConfig
-from mfusion.passes._graph import CONVERT, aten, dtype_of, is_op, replace, tensor_val
+from mfusion.passes._graph import aten, cast_target, dtype_of, is_op, replace, tensor_val
 from mfusion.passes.base import MFusionPass, Refusal
 from mfusion.passes.rmsnorm import emit_rmsnorm, match_rmsnorm
 
@@ -18,7 +18,7 @@ def _residual_add(x: fx.Node) -> fx.Node | None:
     """The tensor-tensor add that produced ``x``, looking through an up-cast."""
     if is_op(x, aten.add.Tensor) and all(isinstance(a, fx.Node) for a in x.args[:2]):
         return x
-    if is_op(x, CONVERT) and is_op(x.args[0], aten.add.Tensor):
+    if cast_target(x) is not None and is_op(x.args[0], aten.add.Tensor):
         return x.args[0]
     return None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from mfusion.passes._graph import CONVERT, dtype_of, is_op, live_nodes
+from mfusion.passes._graph import CONVERT, cast_target, dtype_of, is_op, live_nodes
 
 
 def cleanup(graph: fx.Graph) -> int:
@@ -15,7 +15,7 @@ def cleanup(graph: fx.Graph) -> int:
     """
     before = len(graph.nodes)
     for node in live_nodes(graph):
-        if is_op(node, CONVERT) and dtype_of(node.args[0]) == node.args[1]:
+        if is_op(node, CONVERT) and dtype_of(node.args[0]) == cast_target(node):
             node.replace_all_uses_with(node.args[0])
     graph.eliminate_dead_code()
     graph.lint()

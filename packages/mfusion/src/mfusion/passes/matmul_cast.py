@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from mfusion.config import MFusionConfig
-from mfusion.passes._graph import CONVERT, LOW_PRECISION, aten, dtype_of, emit, is_op, replace
+from mfusion.passes._graph import LOW_PRECISION, aten, cast_target, dtype_of, emit, is_op, replace
 from mfusion.passes.base import MFusionPass, Refusal
 
 MATMULS = (aten.mm.default, aten.bmm.default)
@@ -22,12 +22,12 @@ class MatMulCastPass(MFusionPass):
     name = "matmul_cast"
 
     def match_at(self, node: fx.Node, config: MFusionConfig):
-        if not is_op(node, CONVERT) or not is_op(node.args[0], *MATMULS):
+        target = cast_target(node)
+        if target is None or not is_op(node.args[0], *MATMULS):
             return None
         mm = node.args[0]
-        target = node.args[1]
         ups = mm.args[:2]
-        if not all(is_op(u, CONVERT) and u.args[1] == torch.float32 for u in ups):
+        if not all(cast_target(u) == torch.float32 for u in ups):
             return None
         sources = [dtype_of(u.args[0]) for u in ups]
         if target not in LOW_PRECISION or sources != [target, target]:
