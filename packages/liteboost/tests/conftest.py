@@ -1,0 +1,55 @@
+"""Shared inputs for liteboost's tests: structured attention inputs and tiny Wan inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+
+def structured_qkv(grid, heads=2, dim=16, batch=1, seed=0, text_len=0):
+    """Q/K/V whose attention is spatially local, like trained video DiTs (not random Gaussians).
+
+    Each token's query and key are a smooth function of its (frame, row, col) position plus a
+    little noise, so a token attends mostly to its 3-D neighbourhood; values are smooth too.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    frames, height, width = grid
+    f, h, w = torch.meshgrid(
+        torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij"
+    )
+    pos = torch.stack([f, h, w], dim=-1).reshape(-1, 3).float()
+    freqs = torch.randn(3, dim // 2, generator=gen) * 0.6
+    phase = pos @ freqs
+    feats = torch.cat([phase.cos(), phase.sin()], dim=-1) * math.sqrt(dim) * 1.5
+    seq = feats.shape[0]
+    if text_len:
+        feats = torch.cat([feats, torch.randn(text_len, dim, generator=gen)], dim=0)
+        seq += text_len
+
+    def noisy():
+        base = feats.expand(batch, heads, seq, dim)
+        return base + 0.1 * torch.randn(batch, heads, seq, dim, generator=gen)
+
+    v = torch.randn(batch, heads, 1, dim, generator=gen) + torch.cat(
+        [phase.sin(), phase.cos()], dim=-1
+    ).expand(batch, heads, -1, -1)[..., :seq, :]
+    if text_len:
+        v = torch.cat([v, torch.randn(batch, heads, text_len, dim, generator=gen)], dim=2)
+    return noisy(), noisy(), v
+
+
+def tiny_inputs(grid=(3, 4, 4), batch=1, seed=0):
+    """Inputs of the tiny WanTransformer3DModel for a post-patch token grid."""
+    gen = torch.Generator().manual_seed(seed)
+    frames, height, width = grid
+    hidden = torch.randn(batch, 4, frames, 2 * height, 2 * width, generator=gen)
+    timestep = torch.full((batch,), 500, dtype=torch.long)
+    text = torch.randn(batch, 8, 16, generator=gen)
+    return {"hidden_states": hidden, "timestep": timestep, "encoder_hidden_states": text}
+
+
+@pytest.fixture
+def qkv_factory():
+    return structured_qkv

@@ -1,0 +1,141 @@
+"""Block-sparse attention: kernels agree with the dense-mask reference, selection keeps what it must.
+
+FlexAttention compiles once per shape (8-35 s on CPU), so every flex test here uses the one
+shape of ``GRID`` x ``HEADS`` x ``DIM``; the compiled kernel is reused across tests.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liteboost.ops import plan_sparse_attention, rain_fusion_attention, sparse_attention
+from liteboost.ops.rain_fusion import block_index_to_dense, reference_block_sparse_attention
+
+GRID = (3, 8, 10)  # 240 tokens: 15 blocks of 16, frame 0 = 80 tokens = 5 blocks
+BLOCK = 16
+
+
+def _random_block_index(b, n, nq, nk, gen):
+    keep = torch.randint(1, nk + 1, (b, n, nq), generator=gen)
+    scores = torch.rand(b, n, nq, nk, generator=gen)
+    order = scores.argsort(-1).to(torch.int32)
+    cols = torch.arange(nk).view(1, 1, 1, nk)
+    return torch.where(cols < keep.unsqueeze(-1), order, -1)
+
+
+def test_flex_kernel_matches_reference_with_ragged_rows(qkv_factory):
+    """FlexAttention (compiled) equals dense SDPA under the same block mask; rows keep 1..nk blocks."""
+    q, k, v = qkv_factory(GRID, heads=2, dim=16, batch=2)
+    nb = math.ceil(q.shape[2] / BLOCK)
+    index = _random_block_index(2, 2, nb, nb, torch.Generator().manual_seed(1))
+    flex = rain_fusion_attention(q, k, v, index, block_size=BLOCK, kernel="flex")
+    ref = rain_fusion_attention(q, k, v, index, block_size=BLOCK, kernel="reference")
+    torch.testing.assert_close(flex, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_reference_kernel_is_masked_sdpa_on_a_partial_tail_block():
+    """The reference expands blocks to tokens correctly when S is not a block multiple."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 50, 8, generator=gen) for _ in range(3))
+    index = torch.tensor([[[[0, -1, -1, -1], [1, 3, -1, -1], [2, -1, -1, -1], [3, 0, -1, -1]]]])
+    out = reference_block_sparse_attention(q, k, v, index, 16)
+    dense = block_index_to_dense(index, 4)[0, 0]
+    for row in range(50):
+        cols = [c for c in range(50) if dense[row // 16, c // 16]]
+        expect = F.scaled_dot_product_attention(q[:, :, row : row + 1], k[:, :, cols], v[:, :, cols])
+        torch.testing.assert_close(out[:, :, row : row + 1], expect)
+
+
+def test_bsnd_layout_matches_bnsd(qkv_factory):
+    q, k, v = qkv_factory(GRID)
+    nb = math.ceil(q.shape[2] / BLOCK)
+    index = _random_block_index(1, 2, nb, nb, torch.Generator().manual_seed(2))
+    bnsd = rain_fusion_attention(q, k, v, index, block_size=BLOCK, kernel="reference")
+    bsnd = rain_fusion_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), index, block_size=BLOCK, layout="BSND", kernel="reference"
+    )
+    torch.testing.assert_close(bsnd.transpose(1, 2), bnsd)
+
+
+def test_sparsity_zero_is_dense_attention(qkv_factory):
+    q, k, v = qkv_factory(GRID)
+    out = sparse_attention(q, k, v, latent_shape=GRID, sparsity=0.0, block_size=BLOCK)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_keeping_every_block_equals_dense(qkv_factory):
+    """The sparse path itself (tile, flex, untile) is exact when nothing is dropped."""
+    q, k, v = qkv_factory(GRID, batch=2)
+    plan = plan_sparse_attention(q, k, latent_shape=GRID, sparsity=0.01, block_size=BLOCK)
+    assert plan.keep == math.ceil(q.shape[2] / BLOCK)
+    out = sparse_attention(q, k, v, latent_shape=GRID, sparsity=0.01, block_size=BLOCK, kernel="flex")
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=2e-5, rtol=1e-4)
+
+
+def test_sparsity_half_stays_close_on_structured_inputs(qkv_factory):
+    """At sparsity 0.5 top-k selection stays close to dense, and beats random selection by far."""
+    q, k, v = qkv_factory(GRID, batch=2)
+    dense = F.scaled_dot_product_attention(q, k, v)
+    out = sparse_attention(q, k, v, latent_shape=GRID, sparsity=0.5, block_size=BLOCK, kernel="flex")
+    rel = ((out - dense).norm() / dense.norm()).item()
+    plan = plan_sparse_attention(q, k, latent_shape=GRID, sparsity=0.5, block_size=BLOCK)
+    random_index = _random_block_index(2, 2, 15, 15, torch.Generator().manual_seed(3))
+    random_index = torch.where(random_index >= 0, random_index, -1)[..., : plan.keep]
+    # same budget, blocks chosen at random (the first keep entries of a random permutation)
+    order = torch.rand(2, 2, 15, 15, generator=torch.Generator().manual_seed(4)).argsort(-1)
+    random_index = order[..., : plan.keep].to(torch.int32)
+    from liteboost.ops import tiling
+
+    layout = plan.layout
+    tiled = [tiling.reorder(t, layout, 2) for t in (q, k, v)]
+    rnd = reference_block_sparse_attention(*tiled, random_index, BLOCK)
+    rnd = tiling.restore(rnd, layout, 2)
+    rel_random = ((rnd - dense).norm() / dense.norm()).item()
+    assert rel < 0.1, rel
+    assert rel < 0.5 * rel_random, (rel, rel_random)
+
+
+def test_first_frame_and_text_blocks_are_always_kept(qkv_factory):
+    """At sparsity 0.9 every video query row still lists all first-frame and text key blocks."""
+    text_len = 20
+    q, k, _ = qkv_factory(GRID, text_len=text_len)
+    plan = plan_sparse_attention(
+        q, k, latent_shape=GRID, text_len=text_len, sparsity=0.9, block_size=BLOCK
+    )
+    nk = math.ceil((240 + text_len) / BLOCK)  # 17 blocks; 240 video tokens -> text from block 15
+    dense = block_index_to_dense(plan.block_index, nk)
+    video_rows = dense[..., : 240 // BLOCK, :]
+    assert video_rows[..., :5].all(), "first-frame blocks (80 tokens = 5 blocks) must be kept"
+    assert video_rows[..., 15:].all(), "text blocks must be kept"
+    assert dense[..., 15:, :].all(), "text query rows attend every block"
+    assert video_rows.sum(-1).max() == plan.keep < nk
+
+
+def test_masks_are_per_batch_element(qkv_factory):
+    """Two batch elements with different content get different masks, each equal to its own plan."""
+    q0, k0, _ = qkv_factory(GRID, seed=0)
+    q1, k1, _ = qkv_factory(GRID, seed=5)
+    q, k = torch.cat([q0, q1]), torch.cat([k0, k1])
+    both = plan_sparse_attention(q, k, latent_shape=GRID, sparsity=0.6, block_size=BLOCK)
+    alone0 = plan_sparse_attention(q0, k0, latent_shape=GRID, sparsity=0.6, block_size=BLOCK)
+    alone1 = plan_sparse_attention(q1, k1, latent_shape=GRID, sparsity=0.6, block_size=BLOCK)
+    d = [block_index_to_dense(p.block_index, 15) for p in (both, alone0, alone1)]
+    assert torch.equal(d[0][0], d[1][0]) and torch.equal(d[0][1], d[2][0])
+    assert not torch.equal(d[0][0], d[0][1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sparsity": 1.0}, "sparsity=1.0"),
+        ({"sparsity": 0.5, "layout": "SBND"}, "layout='SBND'"),
+        ({"sparsity": 0.5, "latent_shape": (3, 8, 9)}, "sequence length 240"),
+    ],
+)
+def test_bad_arguments_name_the_problem(qkv_factory, kwargs, match):
+    q, k, v = qkv_factory(GRID)
+    args = {"latent_shape": GRID, "block_size": BLOCK, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        sparse_attention(q, k, v, **args)
