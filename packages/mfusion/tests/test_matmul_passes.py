@@ -1,0 +1,139 @@
+"""MatMul/BMM rewrites: cast, bias and transpose absorption, BMM batch 1, K=1, reshape-bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import apply, count, tolerance, trace
+
+aten = torch.ops.aten
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(dtype, *shapes):
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def test_cast_absorption_runs_bf16_matmul():
+    """mm(a.float(), b.float()).to(bf16) becomes one bf16 mm with no casts."""
+    a, b = _randn(torch.bfloat16, (16, 32), (32, 8))
+    fn = lambda a, b: (a.float() @ b.float()).to(torch.bfloat16)  # noqa: E731
+    gm = trace(fn, a, b)
+    record = apply(gm, "matmul_cast")
+    assert record.rewritten("matmul_cast") == 1
+    assert count(gm, aten._to_copy.default) == 0 and count(gm, aten.mm.default) == 1
+    torch.testing.assert_close(gm(a, b), fn(a, b), **tolerance(torch.bfloat16))
+
+
+def test_cast_absorption_respects_flag_and_mixed_dtypes():
+    a, b = _randn(torch.bfloat16, (4, 8), (8, 4))
+    fn = lambda a, b: (a.float() @ b.float()).to(torch.bfloat16)  # noqa: E731
+    record = apply(trace(fn, a, b), "matmul_cast", absorb_matmul_casts=False)
+    assert "absorb_matmul_casts=False" in record.refused("matmul_cast")[0].reason
+    mixed = lambda a, b: (a.float() @ b.half().float()).to(torch.bfloat16)  # noqa: E731
+    record = apply(trace(mixed, a, b), "matmul_cast")
+    assert "round trip" in record.refused("matmul_cast")[0].reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_absorption_into_addmm(dtype):
+    x, w, b = _randn(dtype, (8, 16), (16, 12), (12,))
+    fn = lambda x, w, b: x @ w + b  # noqa: E731
+    gm = trace(fn, x, w, b)
+    record = apply(gm, "matmul_bias")
+    assert record.rewritten("matmul_bias") == 1
+    assert count(gm, aten.addmm.default) == 1 and count(gm, aten.add.Tensor) == 0
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **tolerance(dtype))
+
+
+def test_bias_absorption_refuses_dtype_mismatch_and_reuse():
+    x, w = _randn(torch.float32, (8, 16), (16, 12))
+    b = torch.randn(12, dtype=torch.float64)
+    record = apply(trace(lambda x, w, b: x @ w + b, x, w, b), "matmul_bias")
+    assert "dtype" in record.refused("matmul_bias")[0].reason
+
+    def reused(x, w, b):
+        product = x @ w
+        return product + b, product
+
+    record = apply(trace(reused, x, w, b.float()), "matmul_bias")
+    assert "also used" in record.refused("matmul_bias")[0].reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transpose_absorption_drops_contiguous_copy(dtype):
+    x, w = _randn(dtype, (8, 16), (12, 16))
+    fn = lambda x, w: x @ w.t().contiguous()  # noqa: E731
+    gm = trace(fn, x, w)
+    assert count(gm, aten.clone.default) == 1
+    record = apply(gm, "matmul_transpose")
+    assert record.rewritten("matmul_transpose") == 1
+    assert count(gm, aten.clone.default) == 0
+    torch.testing.assert_close(gm(x, w), fn(x, w), **tolerance(dtype))
+
+
+def test_transpose_absorption_leaves_other_permutes():
+    """A batched permute that is not a last-two-dims swap keeps its copy."""
+    q, k = _randn(torch.float32, (2, 4, 8), (4, 2, 8))
+    fn = lambda q, k: torch.bmm(q, k.permute(1, 2, 0).contiguous())  # noqa: E731
+    gm = trace(fn, q, k)
+    record = apply(gm, "matmul_transpose")
+    assert record.matched() == 0 and count(gm, aten.clone.default) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bmm_batch_one_becomes_mm(dtype):
+    a, b = _randn(dtype, (1, 8, 16), (1, 16, 4))
+    gm = trace(torch.bmm, a, b)
+    record = apply(gm, "bmm_to_mm")
+    assert record.rewritten("bmm_to_mm") == 1
+    assert count(gm, aten.bmm.default) == 0 and count(gm, aten.mm.default) == 1
+    torch.testing.assert_close(gm(a, b), torch.bmm(a, b), **tolerance(dtype))
+
+
+def test_bmm_batch_two_untouched_and_symbolic_batch_refused():
+    a, b = _randn(torch.float32, (2, 8, 16), (2, 16, 4))
+    record = apply(trace(torch.bmm, a, b), "bmm_to_mm")
+    assert record.matched() == 0
+    record = apply(trace(torch.bmm, a, b, mode="symbolic"), "bmm_to_mm")
+    assert "symbolic" in record.refused("bmm_to_mm")[0].reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batched", [False, True])
+def test_k1_matmul_becomes_broadcast_multiply(batched, dtype):
+    shapes = ((3, 8, 1), (3, 1, 5)) if batched else ((8, 1), (1, 5))
+    a, b = _randn(dtype, *shapes)
+    fn = torch.bmm if batched else torch.mm
+    gm = trace(fn, a, b)
+    record = apply(gm, "k1_matmul")
+    assert record.rewritten("k1_matmul") == 1
+    assert count(gm, aten.bmm.default if batched else aten.mm.default) == 0
+    assert count(gm, aten.mul.Tensor) == 1
+    torch.testing.assert_close(gm(a, b), fn(a, b), **tolerance(dtype))
+
+
+def test_k1_matmul_ignores_k2():
+    a, b = _randn(torch.float32, (8, 2), (2, 5))
+    assert apply(trace(torch.mm, a, b), "k1_matmul").matched() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_reshape_bias_reorders_into_addmm(dtype):
+    x, w, b = _randn(dtype, (6, 16), (16, 12), (12,))
+    fn = lambda x, w, b: (x @ w).view(2, 3, 12) + b  # noqa: E731
+    gm = trace(fn, x, w, b)
+    record = apply(gm, "matmul_reshape_bias")
+    assert record.rewritten("matmul_reshape_bias") == 1
+    assert count(gm, aten.addmm.default) == 1 and count(gm, aten.add.Tensor) == 0
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **tolerance(dtype))
+
+
+def test_matmul_reshape_bias_refuses_bias_along_reshaped_dim():
+    x, w, b = _randn(torch.float32, (6, 16), (16, 12), (3, 12))
+    fn = lambda x, w, b: (x @ w).view(2, 3, 12) + b  # noqa: E731
+    gm = trace(fn, x, w, b)
+    record = apply(gm, "matmul_reshape_bias")
+    assert "varies along reshaped dims" in record.refused("matmul_reshape_bias")[0].reason
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b))
