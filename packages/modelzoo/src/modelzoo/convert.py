@@ -1,0 +1,205 @@
+"""``modelzoo convert``: turn a card's model into a deployable artefact plus a JSON manifest.
+
+``export`` cards produce a ``torch.export`` program (``model.pt2``) with the card's dynamic-shape
+spec, checked against eager on the example inputs before it is written; ``safetensors`` cards
+write weights and config. Every file is written under a temporary name and renamed, so a crash
+never leaves an artefact that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modelzoo.build import build_model, resolve_dtype
+from modelzoo.examples.base import ExportWrapper, example_for
+from modelzoo.schema import ModelCard
+
+
+def _atomic_target(path: Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}"
+    )
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def dynamic_shapes(card: ModelCard, inputs: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The card's dynamic-shape spec as ``torch.export`` wants it (one Dim object per name).
+
+    Raises:
+        ValueError: naming the input or dimension when the spec does not match the inputs.
+    """
+    spec = card.convert.dynamic if card.convert else {}
+    if not spec:
+        return None
+    dims: dict[str, torch.export.Dim] = {}
+    shapes: dict[str, Any] = {}
+    for name, tensor in inputs.items():
+        entry = spec.get(name, {})
+        for index in entry:
+            if index >= tensor.dim():
+                raise ValueError(
+                    f"{card.id}: convert.dynamic.{name} names dim {index}, "
+                    f"but the input has {tensor.dim()} dims"
+                )
+        shapes[name] = {
+            i: dims.setdefault(n, torch.export.Dim(n, min=2, max=card.convert.dim_max))
+            for i, n in entry.items()
+        } or None
+    unknown = set(spec) - set(inputs)
+    if unknown:
+        raise ValueError(
+            f"{card.id}: convert.dynamic names unknown inputs {sorted(unknown)}; "
+            f"inputs are {sorted(inputs)}"
+        )
+    return {"inputs": shapes}
+
+
+def shrink_dynamic(
+    inputs: dict[str, torch.Tensor], spec: dict[str, dict[int, str]]
+) -> dict[str, torch.Tensor]:
+    """Inputs with every dynamic dimension cut to ``max(2, size - 2)`` (a second valid shape)."""
+    out = dict(inputs)
+    for name, dims in spec.items():
+        tensor = out[name]
+        for index in dims:
+            tensor = tensor.narrow(index, 0, max(2, tensor.shape[index] - 2))
+        out[name] = tensor.contiguous()
+    return out
+
+
+def _check_close(reference: torch.Tensor, got: torch.Tensor, what: str) -> float:
+    diff = float((reference.float() - got.float()).abs().max()) if reference.numel() else 0.0
+    scale = float(reference.float().abs().max()) if reference.numel() else 0.0
+    tol = 1e-3 * max(1.0, scale) if reference.dtype == torch.float32 else 5e-2 * max(1.0, scale)
+    if reference.shape != got.shape or not diff <= tol:
+        raise RuntimeError(
+            f"{what}: exported program disagrees with eager "
+            f"(shape {tuple(got.shape)} vs {tuple(reference.shape)}, max diff {diff})"
+        )
+    return diff
+
+
+def convert(
+    card: ModelCard,
+    out: str | os.PathLike[str],
+    *,
+    tiny: bool,
+    path: str | os.PathLike[str] | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """Build the model and write its artefact and ``manifest.json`` into ``out``.
+
+    Args:
+        card: a full card.
+        out: output directory (created).
+        tiny: random-weight tiny model from the card's overrides (offline) instead of ``path``.
+        path: local model directory when ``tiny`` is False.
+        dtype: override of ``card.convert.dtype`` (tiny builds default to float32).
+        trust_remote_code: forwarded to transformers only when asked for.
+
+    Returns:
+        The manifest (also written as ``out/manifest.json``).
+    """
+    if card.convert is None:
+        raise ValueError(f"{card.id} is a listed card: it has no conversion config")
+    dtype_name = dtype or ("float32" if tiny else card.convert.dtype)
+    torch_dtype = resolve_dtype(dtype_name)
+    start = time.perf_counter()
+    model = build_model(
+        card, tiny=tiny, path=path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+    )
+    out = Path(out)
+    manifest: dict[str, Any] = {
+        "card": card.id,
+        "hub_id": card.hub_id,
+        "architecture": card.architecture,
+        "tiny": tiny,
+        "method": card.convert.method,
+        "dtype": dtype_name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "torch": torch.__version__,
+        "mfusion": card.convert.mfusion,
+        "liteboost": card.convert.liteboost,
+    }
+    if card.convert.method == "export":
+        example = example_for(card)
+        inputs = example.inputs(model)
+        wrapper = ExportWrapper(example, model).eval()
+        shapes = dynamic_shapes(card, inputs)
+        with torch.no_grad():
+            program = torch.export.export(wrapper, (), inputs, dynamic_shapes=shapes)
+            # Guards are still checked by the module's input hook; the generated guard function
+            # of torch 2.14 fails with NameError on some symbolic-shape guards.
+            exported = program.module(check_guards=False)
+            reference = wrapper(**inputs)
+            max_diff = _check_close(reference, exported(**inputs), card.id)
+            if card.convert.dynamic:
+                # A dynamic spec is only real if another shape runs: shrink every dynamic dim.
+                other = shrink_dynamic(inputs, card.convert.dynamic)
+                max_diff = max(
+                    max_diff,
+                    _check_close(wrapper(**other), exported(**other), f"{card.id} (resized)"),
+                )
+        artefact = _atomic_target(out / "model.pt2", lambda p: torch.export.save(program, p))
+        manifest["inputs"] = {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in inputs.items()
+        }
+        manifest["dynamic"] = {
+            k: {str(i): n for i, n in v.items()} for k, v in card.convert.dynamic.items()
+        }
+        manifest["output_shape"] = list(reference.shape)
+        manifest["max_abs_diff_vs_eager"] = max_diff
+    else:
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        # Tied weights share storage; safetensors refuses aliases, so keep one copy of each.
+        seen: dict[int, str] = {}
+        for key in list(state):
+            ptr = state[key].data_ptr()
+            if ptr in seen:
+                del state[key]
+            else:
+                seen[ptr] = key
+        artefact = _atomic_target(out / "model.safetensors", lambda p: save_file(state, str(p)))
+        config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
+        _atomic_target(
+            out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2, default=str))
+        )
+        manifest["tensors"] = len(state)
+    manifest["artefact"] = artefact.name
+    manifest["sha256"] = _sha256(artefact)
+    manifest["bytes"] = artefact.stat().st_size
+    manifest["seconds"] = round(time.perf_counter() - start, 3)
+    _atomic_target(
+        out / "manifest.json",
+        lambda p: p.write_text(json.dumps(manifest, indent=2, default=str) + "\n"),
+    )
+    return manifest
