@@ -100,7 +100,7 @@ def _check_close(reference: torch.Tensor, got: torch.Tensor, what: str) -> float
     if reference.shape != got.shape or not diff <= tol:
         raise RuntimeError(
             f"{what}: exported program disagrees with eager "
-            f"(shape {tuple(got.shape)} vs {tuple(reference.shape)}, max diff {diff})"
+            f"(shape {tuple(got.shape)} vs {tuple(reference.shape)}, max diff {diff:.3g})"
         )
     return diff
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class Category(str, enum.Enum):
+class Category(enum.StrEnum):
     """The six model families the zoo covers."""
 
     LLM = "llm"
@@ -24,14 +24,14 @@ class Category(str, enum.Enum):
     EMBEDDING = "embedding"
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     """``full``: conversion config and runnable example; ``listed``: card data only."""
 
     FULL = "full"
     LISTED = "listed"
 
 
-class Task(str, enum.Enum):
+class Task(enum.StrEnum):
     """Which inference example a full card runs (see :mod:`modelzoo.examples`)."""
 
     TEXT_GENERATION = "text-generation"

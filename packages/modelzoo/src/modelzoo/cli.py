@@ -1,0 +1,182 @@
+"""``modelzoo``: list, show and validate model cards; convert and run the full ones.
+
+Listing and validation need neither transformers nor diffusers; convert and run import the
+card's library when they need it and say which extra to install when it is missing.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from modelzoo import registry
+from modelzoo.schema import Category, Status
+from modelzoo.table import render_markdown, update_readme
+from modelzoo.validate import CardError
+
+app = typer.Typer(
+    help="Model cards for 100 current models; convert and run the 'full' ones (tiny offline).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+
+
+class Format(enum.StrEnum):
+    TABLE = "table"
+    JSON = "json"
+    MARKDOWN = "markdown"
+
+
+def _card(name: str):
+    try:
+        return registry.get(name)
+    except KeyError as exc:
+        raise typer.BadParameter(str(exc.args[0]), param_hint="NAME") from None
+
+
+@app.command("list")
+def list_cards(
+    category: Annotated[Category | None, typer.Option(help="Keep one category.")] = None,
+    status: Annotated[Status | None, typer.Option(help="Keep 'full' or 'listed' cards.")] = None,
+    format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.TABLE,
+    readme: Annotated[
+        Path | None,
+        typer.Option(help="With --format markdown: rewrite the support table in this README."),
+    ] = None,
+) -> None:
+    """List the cards (sorted by category, then id)."""
+    cards = registry.list(category, status)
+    if format is Format.JSON:
+        print(json.dumps([c.summary() for c in cards], indent=2))
+    elif format is Format.MARKDOWN:
+        table = render_markdown(cards)
+        if readme is None:
+            print(table, end="")
+        else:
+            changed = update_readme(readme, table)
+            console.print(f"{readme}: {'updated' if changed else 'already current'}")
+    else:
+        out = Table(title=f"{len(cards)} model cards")
+        for column in ("id", "category", "architecture", "params (B)", "status"):
+            out.add_column(column)
+        for c in cards:
+            out.add_row(c.id, c.category.value, c.architecture, f"{c.params_b:g}", c.status.value)
+        console.print(out)
+
+
+@app.command()
+def show(name: Annotated[str, typer.Argument(help="Card id, e.g. qwen3-0.6b.")]) -> None:
+    """Print one card as YAML, with the file it was read from."""
+    card = _card(name)
+    print(f"# {registry.source_of(name)}")
+    print(yaml.safe_dump(card.model_dump(mode="json", exclude_none=True), sort_keys=False), end="")
+
+
+@app.command()
+def validate(
+    files: Annotated[
+        list[Path] | None, typer.Argument(help="Extra card files to check (out-of-tree cards).")
+    ] = None,
+) -> None:
+    """Validate every shipped card (schema + architecture class in the installed library)."""
+    try:
+        cards = registry.list()
+        extra = [registry.register(f, replace=True) for f in files or []]
+        skipped = registry.validate_all([*cards, *extra])
+    except CardError as exc:
+        console.print(f"[red]invalid card[/red] {exc}")
+        raise typer.Exit(1) from None
+    reasons = {k: v for k, v in skipped.items() if v}
+    checked = len(skipped) - len(reasons)
+    console.print(f"{len(skipped)} cards valid; library class checked for {checked}")
+    for name, reason in sorted(reasons.items()):
+        console.print(f"  [yellow]skipped[/yellow] {name}: {reason}")
+
+
+@app.command()
+def convert(
+    name: Annotated[str, typer.Argument(help="Card id of a full card.")],
+    out: Annotated[Path, typer.Option(help="Output directory for the artefact + manifest.")],
+    tiny: Annotated[bool, typer.Option(help="Tiny random-weight model, offline.")] = False,
+    path: Annotated[
+        Path | None, typer.Option(help="Local model directory (without --tiny).")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Allow hub code (never implied).")
+    ] = False,
+) -> None:
+    """Convert a full card's model (torch.export .pt2 or safetensors) and write a manifest."""
+    from modelzoo.convert import convert as run_convert
+
+    with console.status(f"converting {name}"):
+        manifest = run_convert(
+            _card(name),
+            out,
+            tiny=tiny,
+            path=path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+        )
+    console.print(json.dumps(manifest, indent=2, default=str))
+
+
+def _rank_run(name: str, kwargs: dict) -> dict:
+    from modelzoo.runner import run as run_example
+
+    return run_example(registry.get(name), **kwargs)
+
+
+@app.command()
+def run(
+    name: Annotated[str, typer.Argument(help="Card id of a full card.")],
+    tiny: Annotated[bool, typer.Option(help="Tiny random-weight model, offline.")] = False,
+    path: Annotated[
+        Path | None, typer.Option(help="Local model directory (without --tiny).")
+    ] = None,
+    nproc: Annotated[
+        int, typer.Option(min=1, help="Local ranks (liteboost Ulysses / VAE DP).")
+    ] = 1,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
+    prompt: Annotated[str, typer.Option(help="Prompt when a tokenizer is in --path.")] = (
+        "The capital of France is"
+    ),
+    boost: Annotated[bool, typer.Option(help="Apply the card's liteboost options.")] = True,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Allow hub code (never implied).")
+    ] = False,
+) -> None:
+    """Run a full card's inference example and print its result as JSON."""
+    card = _card(name)
+    kwargs = {
+        "tiny": tiny,
+        "path": None if path is None else str(path),
+        "dtype": dtype,
+        "boost": boost,
+        "trust_remote_code": trust_remote_code,
+        "prompt": prompt,
+    }
+    if nproc > 1:
+        from npu_core.dist import launch
+
+        results = launch(_rank_run, nproc, card.id, kwargs, timeout=1800.0)
+        result = {**results[0], "nproc": nproc}
+    else:
+        from modelzoo.runner import run as run_example
+
+        with console.status(f"running {name}"):
+            result = run_example(card, **kwargs)
+    print(json.dumps(result, indent=2, default=str))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
