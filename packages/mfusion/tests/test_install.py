@@ -1,0 +1,166 @@
+"""Inductor integration: install/uninstall, uuid, FX-cache freshness, dynamic shapes, report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+import mfusion
+from mfusion import MFusionConfig, MFusionPassManager
+
+
+class Block(torch.nn.Module):
+    """RMSNorm -> linear -> tanh-GELU -> linear: the norm and the GELU are rewritten."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        h = self.up(h)
+        c = math.sqrt(2 / math.pi)
+        h = 0.5 * h * (1 + torch.tanh(c * (h + 0.044715 * torch.pow(h, 3))))
+        return x + self.down(h)
+
+
+@pytest.fixture(scope="module")
+def block() -> Block:
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+def test_install_sets_post_grad_pass_and_uninstall_restores():
+    assert inductor_config.post_grad_custom_post_pass is None
+    manager = mfusion.install(backend="inductor")
+    assert inductor_config.post_grad_custom_post_pass is manager
+    assert mfusion.is_installed()
+    mfusion.uninstall()
+    assert inductor_config.post_grad_custom_post_pass is None
+    with mfusion.enabled(passes=["gelu"]) as inner:
+        assert inductor_config.post_grad_custom_post_pass is inner
+    assert not mfusion.is_installed()
+
+
+def test_install_refuses_foreign_pass_and_bad_arguments():
+    class Foreign(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "foreign"
+
+    inductor_config.post_grad_custom_post_pass = Foreign()
+    try:
+        with pytest.raises(RuntimeError, match="already holds"):
+            mfusion.install()
+    finally:
+        inductor_config.post_grad_custom_post_pass = None
+    with pytest.raises(ValueError, match="backend='tpu'"):
+        mfusion.install(backend="tpu")
+    with pytest.raises(ValueError, match="not known; available passes"):
+        mfusion.install(passes=["rmsnorm", "nope"])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"backend": "mlir-cpu"},
+        {"passes": ("rmsnorm",)},
+        {"auto_fuse": False},
+        {"rope_low_precision": True},
+        {"absorb_matmul_casts": False},
+        {"min_region_ops": 3},
+        {"max_region_ops": 8},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_uuid_moves_when_a_setting_flips(change):
+    base = MFusionPassManager(MFusionConfig(backend="inductor"))
+    changed = MFusionPassManager(MFusionConfig(**({"backend": "inductor"} | change)))
+    assert base.uuid() == MFusionPassManager(MFusionConfig(backend="inductor")).uuid()
+    assert base.uuid() != changed.uuid()
+
+
+def test_compiled_model_is_rewritten_and_reported(block):
+    """Plain torch.compile picks the passes up; report lists rewrites; output equals eager."""
+    x = torch.randn(2, 8, 32)
+    torch._dynamo.reset()
+    with mfusion.enabled(backend="inductor"), torch.no_grad():
+        out = torch.compile(block)(x)
+        ref = block(x)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    report = mfusion.report()
+    assert len(report) == 1
+    graph = report[0]
+    assert graph.rewritten("rmsnorm") == 1 and graph.rewritten("gelu") == 1
+    assert graph.ops_before["aten.tanh.default"] == 1 and graph.ops_after["aten.tanh.default"] == 0
+    assert graph.regions and not any(r.outlined for r in graph.regions)
+    assert "rmsnorm: matched 1, rewritten 1, refused 0" in str(report)
+
+
+def test_fx_graph_cache_never_serves_a_stale_graph(block):
+    """Same settings: the second compile is a cache hit (passes do not run again). Flipped
+    setting: a miss, so the new settings apply instead of the cached graph."""
+    x = torch.randn(2, 8, 32)
+
+    def compile_with(passes):
+        torch._dynamo.reset()
+        with (
+            inductor_config.patch(fx_graph_cache=True),
+            mfusion.enabled(backend="inductor", passes=passes, auto_fuse=False),
+            torch.no_grad(),
+        ):
+            return torch.compile(block)(x)
+
+    compile_with(["gelu"])
+    assert len(mfusion.report()) == 1 and mfusion.report()[0].rewritten("gelu") == 1
+    compile_with(["gelu"])
+    assert len(mfusion.report()) == 1, "identical settings should be served from the cache"
+    out = compile_with(["rmsnorm"])
+    report = mfusion.report()
+    assert len(report) == 2, "a flipped setting must miss the cache"
+    assert report[1].rewritten("gelu") == 0 and report[1].rewritten("rmsnorm") == 1
+    with torch.no_grad():
+        torch.testing.assert_close(out, block(x), atol=1e-4, rtol=1e-4)
+
+
+def test_dynamic_shapes_rewrite_once_and_run_any_batch():
+    """A dynamic-shape graph is rewritten (symbolic batch) and correct for several sizes."""
+
+    def layernorm(x):
+        m = x.mean(-1, keepdim=True)
+        v = ((x - m) ** 2).mean(-1, keepdim=True)
+        return (x - m) / torch.sqrt(v + 1e-5)
+
+    torch._dynamo.reset()
+    with mfusion.enabled(backend="inductor"):
+        compiled = torch.compile(layernorm, dynamic=True)
+        for batch in (3, 7, 12):
+            x = torch.randn(batch, 24)
+            torch.testing.assert_close(compiled(x), layernorm(x), atol=1e-5, rtol=1e-5)
+    report = mfusion.report()
+    assert len(report) == 1, "one dynamic graph serves every batch size"
+    assert report[0].rewritten("layernorm") == 1
+
+
+def test_mlir_cpu_backend_end_to_end():
+    """With backend mlir-cpu the fp32 region runs as a JIT kernel inside the compiled graph."""
+
+    def fn(x, w):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        return torch.sigmoid(y) @ w.unsqueeze(1)
+
+    x, w = torch.randn(16, 32), torch.randn(32)
+    torch._dynamo.reset()
+    with mfusion.enabled(backend="mlir-cpu"):
+        out = torch.compile(fn)(x, w)
+    torch.testing.assert_close(out, fn(x, w), atol=1e-4, rtol=1e-4)
+    (graph,) = mfusion.report()
+    assert [r.outlined for r in graph.regions] == [True]
+    assert graph.ops_after["mfusion.mlir_region.default"] == 1
