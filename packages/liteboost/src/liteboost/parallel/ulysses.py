@@ -42,8 +42,11 @@ class UlyssesExchange:
         self.padded_heads = -(-heads // self.degree) * self.degree
 
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=self.group)
+        # Collectives fill buffers in contiguous order: never hand them strided tensors
+        # (empty_like would copy a permuted input's strides).
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x, group=self.group)
         return out
 
     def shard(self, x: torch.Tensor, shard_len: int, dim: int = 1) -> torch.Tensor:
@@ -57,8 +60,9 @@ class UlyssesExchange:
 
     def gather(self, x: torch.Tensor, seq_len: int, dim: int = 1) -> torch.Tensor:
         """Concatenate every rank's equal-size shard along ``dim`` and drop the padding."""
-        parts = [torch.empty_like(x) for _ in range(self.degree)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        x = x.contiguous()
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(self.degree)]
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim).narrow(dim, 0, seq_len)
 
     def scatter_heads(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -89,8 +89,9 @@ def _gather_frames(local: torch.Tensor, counts: list[int], group) -> torch.Tenso
     if local.shape[2] < longest:
         pad = local.new_zeros(*local.shape[:2], longest - local.shape[2], *local.shape[3:])
         local = torch.cat([local, pad], dim=2)
-    parts = [torch.empty_like(local) for _ in counts]
-    dist.all_gather(parts, local.contiguous(), group=group)
+    local = local.contiguous()
+    parts = [torch.empty(local.shape, dtype=local.dtype, device=local.device) for _ in counts]
+    dist.all_gather(parts, local, group=group)
     return torch.cat([part[:, :, :count] for part, count in zip(parts, counts, strict=True)], dim=2)
 
 

@@ -1,0 +1,98 @@
+"""BoostManager on the tiny Wan: equal to stock at sparsity 0, undone by remove(), clear errors."""
+
+import pytest
+import torch
+from conftest import tiny_inputs
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+import liteboost
+from liteboost.tiny import build_tiny_transformer
+
+
+@torch.no_grad()
+def _run(model, inputs):
+    return model(**inputs).sample
+
+
+def test_boost_at_sparsity_zero_equals_stock_model():
+    model = build_tiny_transformer()
+    inputs = tiny_inputs(batch=2)
+    stock = _run(model, inputs)
+    with liteboost.BoostManager(model, sparsity=0.0) as manager:
+        assert manager.boosted == ["model"]
+        boosted = _run(model, inputs)
+    torch.testing.assert_close(boosted, stock, atol=1e-5, rtol=1e-5)
+    assert torch.equal(_run(model, inputs), stock), "remove() must restore the stock model exactly"
+    assert all(isinstance(p, WanAttnProcessor) for p in model.attn_processors.values())
+
+
+def test_sparse_boost_uses_the_plan_of_the_op():
+    """Sparse self-attention inside the model: flex and the reference kernel agree."""
+    model = build_tiny_transformer()
+    inputs = tiny_inputs(grid=(3, 4, 8), batch=2)
+    with liteboost.BoostManager(model, sparsity=0.5, block_size=16, sparse_kernel="reference"):
+        ref = _run(model, inputs)
+    stock = _run(model, inputs)
+    with liteboost.BoostManager(model, sparsity=0.5, block_size=16, sparse_kernel="flex"):
+        flex = _run(model, inputs)
+    torch.testing.assert_close(flex, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ref, stock, atol=1e-6), "sparsity 0.5 must skip some blocks"
+
+
+def test_boost_a_pipeline_boosts_its_transformer():
+    from liteboost.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline()
+    manager = liteboost.BoostManager(pipe, sparsity=0.3)
+    assert manager.boosted == ["transformer"]
+    manager.remove()
+
+
+def test_unsupported_model_lists_supported_classes():
+    with pytest.raises(liteboost.UnsupportedModelError, match="WanTransformer3DModel"):
+        liteboost.BoostManager(torch.nn.Linear(2, 2))
+    with pytest.raises(liteboost.UnsupportedModelError, match="AutoencoderKLWan"):
+        liteboost.ParallelManager(torch.nn.Linear(2, 2))
+
+
+def test_register_boost_extends_the_registry():
+    class ToyModel(torch.nn.Module):
+        pass
+
+    calls = []
+
+    @liteboost.register_boost("ToyModel")
+    def _boost(model, config):
+        calls.append(config.sparsity)
+        return type("Handle", (), {"remove": lambda self: calls.append("removed")})()
+
+    manager = liteboost.BoostManager(ToyModel(), sparsity=0.25)
+    manager.remove()
+    assert calls == [0.25, "removed"]
+    assert "ToyModel" in liteboost.supported_boosts()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sparsity": 1.5}, "sparsity=1.5"),
+        ({"attention_backend": "cudnn"}, "attention_backend='cudnn'.*fa3, fa2, npu, sdpa"),
+        ({"sparse_kernel": "triton"}, "sparse_kernel='triton'"),
+    ],
+)
+def test_bad_settings_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        liteboost.BoostManager(build_tiny_transformer(), **kwargs)
+
+
+def test_attention_backend_override_by_environment(monkeypatch):
+    from liteboost.attention.backends import AttentionBackend, resolve_backend
+
+    assert resolve_backend() is AttentionBackend.SDPA  # cpu: no FlashAttention, no NPU
+    monkeypatch.setenv("LITEBOOST_ATTENTION_BACKEND", "fa2")
+    assert resolve_backend() is AttentionBackend.FA2
+    with pytest.raises(RuntimeError, match="'fa2' cannot run here"):
+        liteboost.flash_attention(*(torch.randn(1, 4, 2, 8) for _ in range(3)))
+    monkeypatch.setenv("LITEBOOST_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="LITEBOOST_ATTENTION_BACKEND='bogus'"):
+        resolve_backend()

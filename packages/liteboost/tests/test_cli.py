@@ -1,0 +1,35 @@
+"""``liteboost generate`` end to end: 2 ranks, sparse + Ulysses + VAE parallel, files on disk."""
+
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from liteboost.cli import app
+
+
+def test_help_lists_the_options():
+    result = CliRunner().invoke(app, ["generate", "--help"])
+    assert result.exit_code == 0
+    for option in ("--nproc", "--sparsity", "--ulysses", "--vae-parallel", "--model", "--format"):
+        assert option in result.output
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "nope")])
+    assert result.exit_code != 0
+    assert "no such directory" in str(result.exception)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_generate_two_ranks_writes_gif_and_contact_sheet(tmp_path):
+    out = tmp_path / "run"
+    args = ["generate", "--nproc", "2", "--steps", "2", "--frames", "5", "--sparsity", "0.5"]
+    args += ["--block-size", "16", "--out", str(out), "--timeout", "280"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    gif = Image.open(out / "video.gif")
+    assert gif.n_frames == 5 and gif.size == (64, 64)
+    sheet = Image.open(out / "contact_sheet.png")
+    assert sheet.size == (3 * 64, 2 * 64)
+    assert sorted(p.name for p in out.iterdir()) == ["contact_sheet.png", "video.gif"]
