@@ -73,8 +73,11 @@ def test_gradients_equal_no_checkpoint_with_dropout(policy, swap_inputs):
     want = _grads(_stack(), x)
     model = _stack()
     for block in model:
-        checkpoint_wrapper(block, swap_saved_above(0) if policy == "selective_swap" else policy,
-                           swap_inputs=swap_inputs)
+        checkpoint_wrapper(
+            block,
+            swap_saved_above(0) if policy == "selective_swap" else policy,
+            swap_inputs=swap_inputs,
+        )
     _assert_close(_grads(model, x), want)
 
 
@@ -111,7 +114,11 @@ def test_report_counts_exact_bytes_by_placement():
         return tracker.report()
 
     recompute = report()
-    assert (recompute.device_bytes, recompute.host_bytes, recompute.recomputed_bytes) == (128, 0, 128)
+    assert (recompute.device_bytes, recompute.host_bytes, recompute.recomputed_bytes) == (
+        128,
+        0,
+        128,
+    )
     swap = report(policy_fn=uniform(CheckpointPolicy.MUST_SWAP))
     assert (swap.device_bytes, swap.host_bytes, swap.recomputed_bytes) == (128, 128, 0)
     inputs = report(swap_inputs=True)
@@ -195,7 +202,7 @@ def test_in_place_change_of_region_input_fails_clearly():
     x = torch.randn(5, requires_grad=True) * 1.0
     out = checkpoint(lambda t: torch.sin(t) * 2, x)
     x.mul_(3)
-    with pytest.raises(RuntimeError, match="input 0 of checkpoint region .* modified in place"):
+    with pytest.raises(RuntimeError, match=r"input 0 of checkpoint region .* modified in place"):
         out.sum().backward()
 
 

@@ -31,7 +31,8 @@ def test_bad_configuration_is_refused_naming_the_field(args, message):
 
 @pytest.mark.distributed
 def test_tiny_training_run_through_the_cli(tmp_path):
-    """The CLI spawns ranks, trains, reports the loss and writes metrics and the plot."""
+    """The CLI spawns ranks, trains with a swap/recompute block policy, reports the loss and
+    the saved-activation bytes, and writes metrics and the plot."""
     result = CliRunner().invoke(
         app,
         [
@@ -46,10 +47,19 @@ def test_tiny_training_run_through_the_cli(tmp_path):
             "fsdp",
             "--out-dir",
             str(tmp_path),
+            "--activation",
+            "selective_swap",
+            "--swap-inputs",
+            "--set",
+            "activation.swap_threshold_bytes=0",
         ],
     )
     assert result.exit_code == 0, result.output
     assert "steps 0->6: loss" in result.output
+    report = " ".join(result.output.split())
+    assert "saved activations per step (rank 0, 1 checkpointed blocks): device" in report
+    metrics = json.loads((tmp_path / "metrics.json").read_text())["train"][-1]
+    assert metrics["saved_host_mb"] > 0 and metrics["saved_recomputed_mb"] > 0
     assert len(json.loads((tmp_path / "metrics.json").read_text())["train"]) == 6
     assert (tmp_path / "loss.png").exists()
 

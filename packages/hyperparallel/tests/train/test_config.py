@@ -72,3 +72,18 @@ def test_latest_ignores_partial_checkpoints(tmp_path):
     (tmp_path / ".tmp-step_0000020").mkdir()  # a crash while saving step 20
     assert checkpoint.latest(tmp_path) == tmp_path / "step_0000010"
     assert checkpoint.latest(tmp_path / "missing") is None
+
+
+def test_activation_policy_names_are_checked():
+    """An unknown block policy is refused with the allowed names; per-block lists validate too."""
+    from hyperparallel.train.config import TrainConfig, load_config
+
+    cfg = load_config(
+        TrainConfig(),
+        overrides=["activation.per_block=['selective', 'swap']", "activation.swap_inputs=true"],
+    )
+    assert cfg.activation.per_block == ["selective", "swap"] and cfg.activation.swap_inputs
+    with pytest.raises(ValueError, match=r"activation.policy: .*'sometimes': choose none"):
+        load_config(TrainConfig(), overrides=["activation.policy=sometimes"])
+    with pytest.raises(ValueError, match=r"activation\.per_block"):
+        load_config(TrainConfig(), overrides=["activation.per_block=['bogus']"])

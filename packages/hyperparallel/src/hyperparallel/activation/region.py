@@ -58,31 +58,56 @@ def _ptr(tensor: torch.Tensor) -> tuple[torch.device, int]:
     return tensor.device, tensor.untyped_storage().data_ptr()
 
 
-_MUTATED: dict[Any, tuple[tuple[int, str], ...]] = {}
+@dataclass(frozen=True)
+class _OpInfo:
+    """What the region needs from an op's schema, computed once per op."""
+
+    returns_alias: bool  # views and in-place ops: their outputs reuse an input's storage
+    mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
+    seeded: bool  # draws random numbers
 
 
-def _mutated_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors ``func`` writes to (in-place and out= arguments), from its schema."""
-    if not func._schema.is_mutable:
-        return []
-    if func not in _MUTATED:
-        _MUTATED[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
+_OP_INFO: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        schema = func._schema
+        info = _OP_INFO[func] = _OpInfo(
+            returns_alias=any(r.alias_info is not None for r in schema.returns),
+            mutated=tuple(
+                (i, a.name)
+                for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            ),
+            seeded=torch.Tag.nondeterministic_seeded in func.tags,
         )
+    return info
+
+
+def _mutated_args(info: _OpInfo, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an op writes to (in-place and out= arguments)."""
     found = []
-    for i, name in _MUTATED[func]:
+    for i, name in info.mutated:
         value = args[i] if i < len(args) else kwargs.get(name)
         if isinstance(value, torch.Tensor):
             found.append(value)
     return found
 
 
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and all(not isinstance(x, (tuple, list, dict)) for x in out):
+        return [x for x in out if isinstance(x, torch.Tensor)]
+    return [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+
+
 @dataclass
 class _OpRecord:
     index: int
-    op: str
+    op: Any  # the OpOverload
     policy: CheckpointPolicy
     swaps: dict[tuple[torch.device, int], SwappedStorage] = field(default_factory=dict)
 
@@ -114,26 +139,29 @@ class _RecomputeSlot:
 
 
 class _Saved:
-    """Outputs of a saved op, for replay; detached aliases sharing the version counter."""
+    """Outputs of a saved op (or an excluded call), for replay: detached aliases that share the
+    originals' version counters."""
 
-    def __init__(self, out: Any, what: str) -> None:
-        self.requires_grad = [
-            t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
-        ]
+    def __init__(self, out: Any, record: _OpRecord | None, region: str) -> None:
+        tensors = _tensors(out)
+        self.requires_grad = [t.requires_grad for t in tensors]
         self.out = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
-        self.versions = [t._version for t in self.tensors()]
-        self.what = what
+        self.versions = [t._version for t in tensors]
+        self.record, self.region = record, region
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in tree_flatten(self.out)[0] if isinstance(t, torch.Tensor)]
+        return _tensors(self.out)
 
     def materialize(self) -> Any:
         for t, version in zip(self.tensors(), self.versions, strict=True):
             if t._version != version:
+                what = "output of an excluded call"
+                if self.record is not None:
+                    what = f"output of {self.record.op} (op {self.record.index})"
                 raise RuntimeError(
-                    f"{self.what} was saved for backward and then modified in place "
-                    f"(version {version} -> {t._version}); recompute would read the modified "
-                    "values. Clone it before modifying it."
+                    f"{what} in checkpoint region {self.region!r} was saved for backward and then "
+                    f"modified in place (version {version} -> {t._version}); recompute would "
+                    "read the modified values. Clone it before modifying it."
                 )
         return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, self.out)
 
@@ -274,27 +302,26 @@ class Region:
         return out
 
     def record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Ask the policy about ``func``'s new outputs; start swaps; note who made each storage."""
+        """Ask the policy about ``func``'s new outputs; note who made each storage."""
         index = self._op_count
         self._op_count += 1
-        for written in _mutated_args(func, args, kwargs):
-            self._demote(self._produced.get(_ptr(written)), func)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not outs:
-            return
-        arg_ptrs = {_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        fresh = [t for t in outs if _ptr(t) not in arg_ptrs and t.untyped_storage().nbytes()]
-        if not fresh:
+        info = _op_info(func)
+        if info.mutated:
+            for written in _mutated_args(info, args, kwargs):
+                self._demote(self._produced.get(_ptr(written)), func)
+        if info.returns_alias:
             return  # a view or an in-place op: the storage's first producer decides
+        fresh = [t for t in _tensors(out) if t.numel()]
+        if not fresh:
+            return
         choice = None
         if self.policy_fn is not None:
             ctx = PolicyContext(self.name, index, tuple(fresh))
             choice = self.policy_fn(ctx, func, *args, **kwargs)
         choice = CheckpointPolicy(choice or CheckpointPolicy.PREFER_RECOMPUTE)
-        record = _OpRecord(index, str(func), choice)
-        what = f"output of {func} (op {index}) in checkpoint region {self.name!r}"
+        record = _OpRecord(index, func, choice)
         if choice.is_save:
-            self._cache[index] = _Saved(out, what)
+            self._cache[index] = _Saved(out, record, self.name)
         elif choice.is_swap:
             self._cache[index] = _Swapped(out, record)
         for t in fresh:
@@ -330,7 +357,7 @@ class Region:
 
     def store_excluded(self, out: Any) -> None:
         """Keep an excluded call's outputs for replay, which will not run that call."""
-        self._excluded.append(_Saved(out, f"output of an excluded call in {self.name!r}"))
+        self._excluded.append(_Saved(out, None, self.name))
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         self.in_hook = True
@@ -552,7 +579,7 @@ class Region:
         index = self._replay_ops
         self._replay_ops += 1
         entry = self._cache.get(index)
-        if entry is None or torch.Tag.nondeterministic_seeded in func.tags:
+        if entry is None or _op_info(func).seeded:
             return func(*args, **kwargs)  # random ops always run: later ones need their draws
         out = entry.materialize()
         return func(*args, **kwargs) if out is None else out
