@@ -16,8 +16,8 @@ def test_help_lists_the_options():
 
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "nope")])
-    assert result.exit_code != 0
-    assert "no such directory" in str(result.exception)
+    assert result.exit_code == 2
+    assert "Invalid value for '--model'" in result.output
 
 
 @pytest.mark.slow

@@ -29,7 +29,11 @@ def generate(
     negative_prompt: Annotated[str, typer.Option(help="What classifier-free guidance avoids.")] = "",
     model: Annotated[
         Path | None,
-        typer.Option(help="A diffusers Wan folder on disk; default: a tiny random-weight Wan."),
+        typer.Option(
+            exists=True,
+            file_okay=False,
+            help="A diffusers Wan folder on disk; default: a tiny random-weight Wan.",
+        ),
     ] = None,
     height: Annotated[int, typer.Option(min=16, help="Pixels, a multiple of 16.")] = 64,
     width: Annotated[int, typer.Option(min=16, help="Pixels, a multiple of 16.")] = 64,
