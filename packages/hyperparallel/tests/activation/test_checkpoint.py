@@ -193,7 +193,7 @@ def test_in_place_change_of_swapped_tensor_fails_clearly():
     x = torch.randn(5, requires_grad=True)
     out = checkpoint(fn, x, policy_fn=uniform(CheckpointPolicy.MUST_SWAP))
     keep["h"].add_(1)
-    with pytest.raises(RuntimeError, match=r"aten\.exp.*swapped to host.*modified in place"):
+    with pytest.raises(RuntimeError, match=r"ExpBackward0.*swapped to host.*modified in place"):
         out.sum().backward()
 
 
@@ -215,7 +215,11 @@ def test_must_save_output_modified_inside_region_is_refused():
         return y * x
 
     with pytest.raises(RuntimeError, match="MUST_SAVE"):
-        checkpoint(fn, torch.randn(3, requires_grad=True), policy_fn=uniform("must_save"))
+        checkpoint(
+            fn,
+            torch.randn(3, requires_grad=True),
+            policy_fn=lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE,  # decided per op
+        )
 
 
 def test_prefer_save_output_modified_inside_region_is_recomputed():
@@ -229,7 +233,7 @@ def test_prefer_save_output_modified_inside_region_is_recomputed():
     x = torch.randn(4, requires_grad=True)
     fn(x).backward()
     want, x.grad = x.grad, None
-    checkpoint(fn, x, policy_fn=uniform(CheckpointPolicy.PREFER_SAVE)).backward()
+    checkpoint(fn, x, policy_fn=lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_SAVE).backward()
     torch.testing.assert_close(x.grad, want)
 
 

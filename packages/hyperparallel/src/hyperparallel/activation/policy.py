@@ -133,6 +133,8 @@ def uniform(choice: CheckpointPolicy) -> PolicyFn:
     def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object):
         return choice
 
+    # Read by regions: a uniform choice needs no per-op observation at all.
+    policy.uniform_choice = choice
     return policy
 
 

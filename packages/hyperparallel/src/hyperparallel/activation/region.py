@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
@@ -259,7 +260,16 @@ class Region:
         }
         self._input_swaps: dict[int, SwappedStorage] = {}
         self._input_slots = 0
-        self._produced: dict[tuple[torch.device, int], _OpRecord] = {}
+        # storage address -> (weak ref to that storage, the op that allocated it); the weak ref
+        # tells a live storage from a freed one whose address was reused.
+        self._produced: dict[tuple[torch.device, int], tuple[StorageWeakRef, _OpRecord]] = {}
+        # A uniform policy needs no per-op decisions: no dispatch modes, every tensor saved in
+        # the region that is not an input or a weight gets the one choice.
+        self._uniform: CheckpointPolicy | None = (
+            CheckpointPolicy.PREFER_RECOMPUTE
+            if policy_fn is None
+            else getattr(policy_fn, "uniform_choice", None)
+        )
         self._cache: dict[int, _Saved | _Swapped] = {}
         self._excluded: list[_Saved] = []
         self._swapped: list[SwappedStorage] = []
@@ -289,10 +299,10 @@ class Region:
         (args, kwargs), self._call = self._call, None
         token = _CURRENT.set(self)
         try:
-            self._mode = _ForwardMode(self)
+            self._mode = _ForwardMode(self) if self._uniform is None else None
             with (
                 torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
-                self._mode,
+                self._mode or contextlib.nullcontext(),
             ):
                 out = self.fn(*args, **kwargs)
         finally:
@@ -308,7 +318,7 @@ class Region:
         info = _op_info(func)
         if info.mutated:
             for written in _mutated_args(info, args, kwargs):
-                self._demote(self._produced.get(_ptr(written)), func)
+                self._demote(self._producer(written), func)
         if info.returns_alias:
             return  # a view or an in-place op: the storage's first producer decides
         fresh = [t for t in _tensors(out) if t.numel()]
@@ -325,7 +335,14 @@ class Region:
         elif choice.is_swap:
             self._cache[index] = _Swapped(out, record)
         for t in fresh:
-            self._produced[_ptr(t)] = record
+            self._produced[_ptr(t)] = (StorageWeakRef(t.untyped_storage()), record)
+
+    def _producer(self, tensor: torch.Tensor) -> _OpRecord | None:
+        """The region op that allocated ``tensor``'s storage, if the storage is still that one."""
+        entry = self._produced.get(_ptr(tensor))
+        if entry is None or entry[0].expired():
+            return None
+        return entry[1]
 
     def _demote(self, record: _OpRecord | None, func: Any) -> None:
         if record is None or record.policy.is_recompute:
@@ -347,7 +364,7 @@ class Region:
         """Run a block whose saved tensors are kept and whose ops are not observed."""
         self.excluding += 1
         try:
-            if _get_current_dispatch_mode() is self._mode:
+            if self._mode is not None and _get_current_dispatch_mode() is self._mode:
                 with _pop_mode_temporarily():
                     yield
             else:  # another mode sits above ours: it stays, ours skips by the flag
@@ -372,9 +389,18 @@ class Region:
         position = self._pack_count
         self._pack_count += 1
         key = _ptr(tensor)
-        record = self._produced.get(key)
+        record = self._producer(tensor)
+        index = self._input_ptrs.get(key)
+        if (
+            record is None
+            and self._uniform is not None
+            and index is None
+            and not is_parameter_like(tensor)
+        ):
+            op = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "an op"
+            record = _OpRecord(-1 - position, op, self._uniform)
+            self._produced[key] = (StorageWeakRef(tensor.untyped_storage()), record)
         if record is None:
-            index = self._input_ptrs.get(key)
             if index is not None and self.swap_inputs:
                 self._input_slots += 1
                 return _InputSlot(index, TensorMeta.of(tensor))
@@ -539,7 +565,8 @@ class Region:
                 stack.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(self._replay_pack, _never_unpacked)
                 )
-                stack.enter_context(_ReplayMode(self))
+                if self._uniform is None:
+                    stack.enter_context(_ReplayMode(self))
                 with contextlib.suppress(_StopReplay):
                     self.fn(*args, **kwargs)
         finally:
