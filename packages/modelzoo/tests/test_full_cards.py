@@ -1,0 +1,66 @@
+"""Every full card: tiny conversion (artefact + manifest) and tiny inference example, offline."""
+
+import hashlib
+import importlib.util
+import json
+
+import pytest
+
+from modelzoo import Task, registry
+from modelzoo.convert import convert
+from modelzoo.runner import run
+
+FULL = [c.id for c in registry.list(status="full")]
+
+
+def _require_library(card):
+    if importlib.util.find_spec(card.package) is None:
+        pytest.skip(f"{card.id}: library {card.package!r} is not installed")
+
+
+def _check_result(card, out):
+    task, result, ex = card.example.task, out["result"], card.example
+    assert out["tiny"] is True and out["card"] == card.id
+    if task is Task.TEXT_GENERATION:
+        assert len(result["new_token_ids"]) == ex.new_tokens
+        assert len(result["prompt_ids"]) == ex.seq_len
+        vocab = card.tiny.get("vocab_size", 128)
+        assert all(0 <= t < vocab for t in result["new_token_ids"])
+    elif task is Task.EMBEDDING:
+        assert result["norms"] == pytest.approx([1.0, 1.0], abs=1e-5)
+        assert -1.0 <= result["cosine"] <= 1.0
+    elif task in (Task.RERANK_LM, Task.RERANK_CROSS_ENCODER):
+        assert result["pairs"] == 2
+        if task is Task.RERANK_LM:
+            assert all(0.0 <= s <= 1.0 for s in result["scores"])
+    elif task is Task.IMAGE_TEXT:
+        assert len(result["logits_per_image"]) == 2
+    elif task is Task.ASR:
+        assert 1 <= len(result["token_ids"]) <= ex.new_tokens
+    else:
+        assert result["finite"] and result["moved"] > 0
+        assert result["steps"] == ex.steps
+        if ex.expert_boundary is not None:
+            assert result["experts"] == ["high", "low"]
+        if card.convert.liteboost and importlib.util.find_spec("liteboost") is not None:
+            import liteboost
+
+            if hasattr(liteboost, "BoostManager"):
+                assert out["liteboost"]["applied"], out["liteboost"]
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_full_card_converts_and_runs_tiny(name, tmp_path):
+    """convert --tiny writes a verified artefact + manifest; run --tiny gives a sane result."""
+    card = registry.get(name)
+    _require_library(card)
+    manifest = convert(card, tmp_path, tiny=True)
+    artefact = tmp_path / manifest["artefact"]
+    assert artefact.suffix == (".pt2" if card.convert.method == "export" else ".safetensors")
+    assert hashlib.sha256(artefact.read_bytes()).hexdigest() == manifest["sha256"]
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk["card"] == name and on_disk["sha256"] == manifest["sha256"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp files left"
+    if card.convert.method == "export":
+        assert manifest["max_abs_diff_vs_eager"] < 1e-3
+    _check_result(card, run(card, tiny=True))

@@ -1,0 +1,125 @@
+"""Registry contents, lookups, out-of-tree cards, the README table and the CLI."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from modelzoo import CardError, Category, Status, registry
+from modelzoo.cli import app
+from modelzoo.table import END, START, render_markdown
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_exact_card_counts():
+    """100 cards, six categories with the documented sizes, at least 47 full."""
+    cards = registry.list()
+    assert len(cards) == 100
+    counts = Counter(c.category for c in cards)
+    assert counts == {
+        Category.LLM: 30,
+        Category.VLM: 20,
+        Category.IMAGE: 12,
+        Category.VIDEO: 16,
+        Category.SPEECH: 10,
+        Category.EMBEDDING: 12,
+    }
+    full = registry.list(status="full")
+    assert len(full) == 48
+    assert all(c.convert is not None and c.example is not None and c.tiny for c in full)
+
+
+def test_ids_are_unique_and_files_match():
+    ids = [c.id for c in registry.list()]
+    assert len(set(ids)) == len(ids)
+    for card in registry.list():
+        assert registry.source_of(card.id) == f"{card.category.value}/{card.id}.yaml"
+
+
+def test_every_shipped_card_passes_the_library_check():
+    """Installed transformers / diffusers have every non-remote architecture class."""
+    pytest.importorskip("transformers", reason="transformers extra not installed")
+    pytest.importorskip("diffusers", reason="diffusers extra not installed")
+    skipped = registry.validate_all()
+    reasons = {k: v for k, v in skipped.items() if v}
+    # Remote-code classes and packages outside the pinned set are the only skips.
+    assert all("remote code" in r or "is not installed" in r for r in reasons.values())
+    # 100 - 5 remote-code cards (InternVL3.5 Flash, MiniCPM-V) - 6 cards of other packages.
+    assert len(skipped) - len(reasons) == 89
+
+
+def test_get_and_filtered_list():
+    card = registry.get("wan2.2-t2v-a14b")
+    assert card.architecture == "WanTransformer3DModel"
+    assert card.example.expert_boundary == 0.875
+    video = registry.list(category=Category.VIDEO, status=Status.FULL)
+    assert {c.id for c in video} >= {"wan2.1-t2v-1.3b", "wan2.2-ti2v-5b"}
+    assert all(c.category is Category.VIDEO and c.status is Status.FULL for c in video)
+    assert registry.list("llm") == registry.list(category=Category.LLM)
+
+
+def test_unknown_name_suggests_close_ids():
+    with pytest.raises(KeyError, match="did you mean qwen3-8b"):
+        registry.get("qwen3-8")
+
+
+def test_register_out_of_tree_card(tmp_path):
+    data = registry.get("qwen3-8b").model_dump(mode="json", exclude_none=True)
+    data["id"] = "my-qwen3"
+    path = tmp_path / "my-qwen3.yaml"
+    path.write_text(yaml.safe_dump(data))
+    try:
+        card = registry.register(path)
+        assert registry.get("my-qwen3") is card
+        assert card in registry.list(category="llm")
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register(path)
+    finally:
+        registry.unregister("my-qwen3")
+    with pytest.raises(KeyError):
+        registry.get("my-qwen3")
+
+
+def test_register_rejects_invalid_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump({"id": "broken", "category": "llm"}))
+    with pytest.raises(CardError, match=r"broken\.yaml: field 'hub_id'"):
+        registry.register(path)
+
+
+def test_readme_support_table_is_current():
+    """Fails when cards changed without `modelzoo list --format markdown --readme README.md`."""
+    text = README.read_text()
+    block = text[text.index(START) + len(START) + 1 : text.index(END)]
+    assert block == render_markdown(registry.list())
+
+
+def test_cli_list_json_show_and_validate():
+    runner = CliRunner()
+    out = runner.invoke(app, ["list", "--format", "json", "--category", "speech"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert len(rows) == 10 and {r["category"] for r in rows} == {"speech"}
+    shown = runner.invoke(app, ["show", "bge-m3"])
+    assert shown.exit_code == 0 and "architecture: XLMRobertaModel" in shown.output
+    missing = runner.invoke(app, ["show", "no-such-model"])
+    assert missing.exit_code != 0 and "no model card 'no-such-model'" in missing.output
+
+
+def test_cli_validate_reports_bad_extra_card(tmp_path):
+    pytest.importorskip("transformers", reason="transformers extra not installed")
+    data = registry.get("qwen3-8b").model_dump(mode="json", exclude_none=True)
+    data |= {"id": "bad-arch", "architecture": "NotAModel"}
+    path = tmp_path / "bad-arch.yaml"
+    path.write_text(yaml.safe_dump(data))
+    runner = CliRunner()
+    try:
+        out = runner.invoke(app, ["validate", str(path)])
+    finally:
+        registry.unregister("bad-arch")
+    assert out.exit_code == 1
+    assert "field 'architecture'" in out.output and "NotAModel" in out.output
