@@ -31,6 +31,13 @@ def layernorm(x, w, b):
     return (x - m) / torch.sqrt(v + 1e-5) * w + b
 
 
+def layernorm_bert(x, w, b):
+    """BERT_pytorch's spelling: the weight multiplies the centred input before the division."""
+    m = x.mean(-1, keepdim=True)
+    v = ((x - m) ** 2).mean(-1, keepdim=True)
+    return w * (x - m) / torch.sqrt(v + 1e-5) + b
+
+
 def layernorm_var(x, w, b):
     m = x.mean(-1, keepdim=True)
     v = x.var(-1, keepdim=True, correction=0)
@@ -111,7 +118,7 @@ def test_add_rmsnorm_refuses_broadcast_add():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fn", [layernorm, layernorm_var])
+@pytest.mark.parametrize("fn", [layernorm, layernorm_bert, layernorm_var])
 def test_layernorm_uses_one_var_mean(fn, dtype):
     """Two reductions (mean, mean of squares) become one Welford var_mean."""
     args = _inputs(dtype, (3, 5, 48), (48,), (48,))

@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from mfusion.backends import mlir_cpu as _mlir_cpu  # noqa: F401  (registers mfusion::mlir_region)
 from mfusion.config import BackendName, MFusionConfig
-from mfusion.install import enabled, install, is_installed, uninstall
+from mfusion.install import compile_options, enabled, install, is_installed, uninstall
 from mfusion.passes.manager import MFusionPassManager
 from mfusion.passes.registry import PASS_REGISTRY
 from mfusion.report import GraphReport, Report, clear_report, report
@@ -27,6 +27,7 @@ __all__ = [
     "Report",
     "__version__",
     "clear_report",
+    "compile_options",
     "enabled",
     "install",
     "is_installed",

@@ -59,6 +59,27 @@ def install(
     return manager
 
 
+def compile_options(
+    backend: BackendName | str = BackendName.AUTO,
+    passes: Sequence[str] | None = None,
+    auto_fuse: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
+    """Inductor options that run mfusion for one ``torch.compile`` call only.
+
+    ``torch.compile(model, options=mfusion.compile_options())`` scopes mfusion to that compiled
+    model, leaving the global config untouched (useful to compare with and without mfusion).
+    """
+    config = MFusionConfig(
+        backend=backend,
+        passes=tuple(passes) if passes is not None else None,
+        auto_fuse=auto_fuse,
+        **options,
+    )
+    get_backend(config.resolved_backend())
+    return {"post_grad_custom_post_pass": MFusionPassManager(config)}
+
+
 def uninstall() -> None:
     """Restore the post-grad pass that was there before the matching :func:`install`."""
     with _LOCK:

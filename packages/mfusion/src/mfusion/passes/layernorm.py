@@ -86,6 +86,12 @@ class LayerNormPass(MFusionPass):
         else:
             return None
         found = _centered(centered)
+        scale = None
+        if found is None and is_op(centered, aten.mul.Tensor):
+            # BERT_pytorch writes ``a * (x - mean) / sqrt(var + eps)``: the weight rides along.
+            inner = next((a for a in centered.args[:2] if _centered(a) is not None), None)
+            if inner is not None and len(centered.users) == 1:
+                scale, found = other_operand(centered, inner), _centered(inner)
         if found is None:
             return None
         x, mean = found
@@ -111,9 +117,10 @@ class LayerNormPass(MFusionPass):
             var_node = emit(graph, operator.getitem, stats, 0)
             mean_node = emit(graph, operator.getitem, stats, 1)
             inv = emit(graph, aten.rsqrt.default, emit(graph, aten.add.Tensor, var_node, eps))
-            replace(
-                node, emit(graph, aten.mul.Tensor, emit(graph, aten.sub.Tensor, x, mean_node), inv)
-            )
+            normed = emit(graph, aten.mul.Tensor, emit(graph, aten.sub.Tensor, x, mean_node), inv)
+            if scale is not None:
+                normed = emit(graph, aten.mul.Tensor, normed, scale)
+            replace(node, normed)
             return f"LayerNorm statistics as one var_mean (eps={float(eps):g}, {dtype_of(x)})"
 
         return rewrite
