@@ -488,8 +488,7 @@ class Region:
             swap = SwappedStorage(t, f"input {i} of checkpoint region {self.name!r}")
             self._input_swaps[i] = swap
             if self._tracker is not None:
-                key = ("storage", *_ptr(t))
-                self._tracker.move(key, swap.nbytes, "host")
+                self._tracker.move_tensor(t, "host")
             del self._inputs[i]
 
     def prefetch(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 Placement = Literal["device", "host", "recomputed"]
 PLACEMENTS: tuple[Placement, ...] = ("device", "host", "recomputed")
@@ -72,6 +73,10 @@ class ActivationTracker:
     def __init__(self, outside: Placement = "device") -> None:
         self.outside: Placement = outside
         self._bytes: dict[Hashable, tuple[int, Placement]] = {}
+        # storage address -> (weak ref, the key counted for it): a freed storage's address can
+        # be reused by a new one, which must count as a new entry.
+        self._live: dict[Hashable, tuple[StorageWeakRef, Hashable]] = {}
+        self._generation = 0
         self.regions = 0
         self._stack: contextlib.ExitStack | None = None
 
@@ -79,15 +84,27 @@ class ActivationTracker:
         """Count ``nbytes`` under ``placement`` once per ``key`` (the first placement wins)."""
         self._bytes.setdefault(key, (nbytes, placement))
 
-    def move(self, key: Hashable, nbytes: int, placement: Placement) -> None:
-        """Count ``key`` under ``placement`` from now on (e.g. an input swapped to host)."""
-        self._bytes[key] = (nbytes, placement)
+    def _key(self, tensor: torch.Tensor) -> tuple[Hashable, int]:
+        address, nbytes = storage_key(tensor)
+        live = self._live.get(address)
+        if live is None or live[0].expired():
+            self._generation += 1
+            live = (StorageWeakRef(tensor.untyped_storage()), (address, self._generation))
+            self._live[address] = live
+        return live[1], nbytes
 
     def add_tensor(self, tensor: torch.Tensor, placement: Placement) -> None:
         """Count ``tensor``'s storage, unless it is a parameter."""
         if not is_parameter_like(tensor):
-            key, nbytes = storage_key(tensor)
+            key, nbytes = self._key(tensor)
             self.add(key, nbytes, placement)
+
+    def move_tensor(self, tensor: torch.Tensor, placement: Placement) -> None:
+        """Count ``tensor``'s (live) storage under ``placement`` from now on (e.g. an input
+        swapped to host)."""
+        if not is_parameter_like(tensor):
+            key, nbytes = self._key(tensor)
+            self._bytes[key] = (nbytes, placement)
 
     def report(self) -> ActivationReport:
         """Totals so far."""

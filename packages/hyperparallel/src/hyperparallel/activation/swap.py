@@ -5,7 +5,8 @@ to a host buffer from a shared :class:`~npu_core.memory.HostBufferPool`; once th
 device tensor, the device memory is free. :meth:`SwappedStorage.prefetch` starts the copy back on
 the side stream; :meth:`SwappedStorage.view` waits for it only when the data is needed. On CPU the
 streams of :mod:`npu_core.streams` are synchronous stand-ins and "host" is the same memory as
-"device", so swapping there changes where the bytes are accounted, not where they live.
+"device": the copy out is made (the same code path as on accelerators), the copy back is not
+needed, and swapping changes where the bytes are accounted, not where they live.
 """
 
 from __future__ import annotations
@@ -83,8 +84,15 @@ class SwappedStorage:
             )
 
     def prefetch(self) -> None:
-        """Start copying back to the device on the side stream (no-op if already started)."""
+        """Start copying back to the device on the side stream (no-op if already started).
+
+        On a CPU device the host buffer already is device memory, so it is used as is; the
+        buffer returns to the pool only when this object dies, after every view of it.
+        """
         if self._restored is not None:
+            return
+        if self.device.type == "cpu":
+            self._restored, self._restored_event = self.host, self._offloaded
             return
         stream = self.engine.stream(self.device)
         stream.wait_event(self._offloaded)
@@ -102,7 +110,8 @@ class SwappedStorage:
         self.check_version()
         self.prefetch()
         assert self._restored is not None and self._restored_event is not None
-        streams.current_stream(self.device).wait_event(self._restored_event)
+        if self.device.type != "cpu":
+            streams.current_stream(self.device).wait_event(self._restored_event)
         out = torch.empty(0, dtype=like.dtype, device=self.device)
         out.set_(self._restored.untyped_storage(), like.offset, like.size, like.stride)
         return out
