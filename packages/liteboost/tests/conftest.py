@@ -32,9 +32,10 @@ def structured_qkv(grid, heads=2, dim=16, batch=1, seed=0, text_len=0):
         base = feats.expand(batch, heads, seq, dim)
         return base + 0.1 * torch.randn(batch, heads, seq, dim, generator=gen)
 
-    v = torch.randn(batch, heads, 1, dim, generator=gen) + torch.cat(
-        [phase.sin(), phase.cos()], dim=-1
-    ).expand(batch, heads, -1, -1)[..., :seq, :]
+    v = (
+        torch.randn(batch, heads, 1, dim, generator=gen)
+        + torch.cat([phase.sin(), phase.cos()], dim=-1).expand(batch, heads, -1, -1)[..., :seq, :]
+    )
     if text_len:
         v = torch.cat([v, torch.randn(batch, heads, text_len, dim, generator=gen)], dim=2)
     return noisy(), noisy(), v

@@ -44,7 +44,9 @@ def test_reference_kernel_is_masked_sdpa_on_a_partial_tail_block():
     dense = block_index_to_dense(index, 4)[0, 0]
     for row in range(50):
         cols = [c for c in range(50) if dense[row // 16, c // 16]]
-        expect = F.scaled_dot_product_attention(q[:, :, row : row + 1], k[:, :, cols], v[:, :, cols])
+        expect = F.scaled_dot_product_attention(
+            q[:, :, row : row + 1], k[:, :, cols], v[:, :, cols]
+        )
         torch.testing.assert_close(out[:, :, row : row + 1], expect)
 
 
@@ -54,7 +56,11 @@ def test_bsnd_layout_matches_bnsd(qkv_factory):
     index = _random_block_index(1, 2, nb, nb, torch.Generator().manual_seed(2))
     bnsd = rain_fusion_attention(q, k, v, index, block_size=BLOCK, kernel="reference")
     bsnd = rain_fusion_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)), index, block_size=BLOCK, layout="BSND", kernel="reference"
+        *(t.transpose(1, 2) for t in (q, k, v)),
+        index,
+        block_size=BLOCK,
+        layout="BSND",
+        kernel="reference",
     )
     torch.testing.assert_close(bsnd.transpose(1, 2), bnsd)
 
@@ -70,7 +76,9 @@ def test_keeping_every_block_equals_dense(qkv_factory):
     q, k, v = qkv_factory(GRID, batch=2)
     plan = plan_sparse_attention(q, k, latent_shape=GRID, sparsity=0.01, block_size=BLOCK)
     assert plan.keep == math.ceil(q.shape[2] / BLOCK)
-    out = sparse_attention(q, k, v, latent_shape=GRID, sparsity=0.01, block_size=BLOCK, kernel="flex")
+    out = sparse_attention(
+        q, k, v, latent_shape=GRID, sparsity=0.01, block_size=BLOCK, kernel="flex"
+    )
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=2e-5, rtol=1e-4)
 
 
@@ -78,7 +86,9 @@ def test_sparsity_half_stays_close_on_structured_inputs(qkv_factory):
     """At sparsity 0.5 top-k selection stays close to dense, and beats random selection by far."""
     q, k, v = qkv_factory(GRID, batch=2)
     dense = F.scaled_dot_product_attention(q, k, v)
-    out = sparse_attention(q, k, v, latent_shape=GRID, sparsity=0.5, block_size=BLOCK, kernel="flex")
+    out = sparse_attention(
+        q, k, v, latent_shape=GRID, sparsity=0.5, block_size=BLOCK, kernel="flex"
+    )
     rel = ((out - dense).norm() / dense.norm()).item()
     plan = plan_sparse_attention(q, k, latent_shape=GRID, sparsity=0.5, block_size=BLOCK)
     random_index = _random_block_index(2, 2, 15, 15, torch.Generator().manual_seed(3))

@@ -26,7 +26,9 @@ def _root() -> None:
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Option(help="What the video shows.")] = "a red kite over hills",
-    negative_prompt: Annotated[str, typer.Option(help="What classifier-free guidance avoids.")] = "",
+    negative_prompt: Annotated[
+        str, typer.Option(help="What classifier-free guidance avoids.")
+    ] = "",
     model: Annotated[
         Path | None,
         typer.Option(
@@ -53,12 +55,17 @@ def generate(
         bool, typer.Option(help="Split VAE decode over time across ranks.")
     ] = True,
     attention_backend: Annotated[
-        str | None, typer.Option(help="Dense attention: fa3, fa2, npu or sdpa; default: first usable.")
+        str | None,
+        typer.Option(help="Dense attention: fa3, fa2, npu or sdpa; default: first usable."),
     ] = None,
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("liteboost-out"),
-    video_format: Annotated[VideoFormat, typer.Option("--format", help="gif or mp4.")] = VideoFormat.GIF,
+    video_format: Annotated[
+        VideoFormat, typer.Option("--format", help="gif or mp4.")
+    ] = VideoFormat.GIF,
     max_sequence_length: Annotated[int, typer.Option(min=1, help="Prompt tokens.")] = 64,
-    timeout: Annotated[float, typer.Option(help="Seconds before a multi-rank run is stopped.")] = 1800.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds before a multi-rank run is stopped.")
+    ] = 1800.0,
 ) -> None:
     """Generate a video and write it (GIF/MP4) with a PNG contact sheet of every frame.
 

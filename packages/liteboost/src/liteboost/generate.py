@@ -65,7 +65,9 @@ def generate_rank(options: GenerateOptions) -> dict | None:
         attention_backend=options.attention_backend,
         block_size=options.block_size,
     )
-    parallel = ParallelManager(pipe, ulysses_degree=options.ulysses, vae_parallel=options.vae_parallel)
+    parallel = ParallelManager(
+        pipe, ulysses_degree=options.ulysses, vae_parallel=options.vae_parallel
+    )
     seed = parallel.sync_seed(options.seed)
     lead = _rank() == 0
     with Progress(disable=not lead, transient=False) as progress:
