@@ -73,7 +73,12 @@ class PolicyContext:
 
 
 PolicyFn = Callable[..., CheckpointPolicy | None]
-"""``policy_fn(ctx: PolicyContext, op: OpOverload, *args, **kwargs) -> CheckpointPolicy | None``."""
+"""``policy_fn(ctx: PolicyContext, op: OpOverload, *args, **kwargs) -> CheckpointPolicy | None``.
+
+A policy whose answer depends only on the size of what is saved may also carry a
+``size_rule(nbytes) -> CheckpointPolicy`` attribute (``uniform`` and ``swap_saved_above`` over it
+do): regions then decide per saved tensor when autograd saves it, with no dispatch mode observing
+every op, which is much cheaper in Python time."""
 
 
 def _ops(*names: str) -> frozenset:
@@ -133,8 +138,7 @@ def uniform(choice: CheckpointPolicy) -> PolicyFn:
     def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object):
         return choice
 
-    # Read by regions: a uniform choice needs no per-op observation at all.
-    policy.uniform_choice = choice
+    policy.size_rule = lambda nbytes: choice
     return policy
 
 
@@ -159,6 +163,18 @@ def swap_saved_above(threshold_bytes: int, base: PolicyFn | None = None) -> Poli
             return CheckpointPolicy.MUST_SWAP
         return choice
 
+    base_rule = getattr(base, "size_rule", None)
+    if base_rule is not None:
+
+        def size_rule(nbytes: int) -> CheckpointPolicy:
+            choice = base_rule(nbytes)
+            return (
+                CheckpointPolicy.MUST_SWAP
+                if choice.is_save and nbytes >= threshold_bytes
+                else choice
+            )
+
+        policy.size_rule = size_rule
     return policy
 
 
@@ -186,14 +202,17 @@ def compose(*policies: PolicyFn) -> PolicyFn:
 
 def resolve(name_or_fn: str | PolicyFn | None, swap_threshold_bytes: int = 1 << 16) -> PolicyFn:
     """A policy function from a config name: ``recompute`` (full checkpoint), ``save`` (keep all,
-    like no checkpoint), ``swap`` (everything to host), ``selective`` (save matmuls and
-    collectives) or ``selective_swap`` (the same, swapping the saved ones above the threshold)."""
+    like no checkpoint), ``swap`` (every saved tensor of at least ``swap_threshold_bytes`` to
+    host, smaller ones kept), ``selective`` (save matmuls and collectives, recompute the rest) or
+    ``selective_swap`` (the same, swapping the saved ones above the threshold)."""
     if callable(name_or_fn):
         return name_or_fn
     named: dict[str, Callable[[], PolicyFn]] = {
         "recompute": lambda: uniform(CheckpointPolicy.PREFER_RECOMPUTE),
         "save": lambda: uniform(CheckpointPolicy.PREFER_SAVE),
-        "swap": lambda: uniform(CheckpointPolicy.MUST_SWAP),
+        "swap": lambda: swap_saved_above(
+            swap_threshold_bytes, uniform(CheckpointPolicy.PREFER_SAVE)
+        ),
         "selective": save_matmuls_and_collectives,
         "selective_swap": lambda: swap_saved_above(swap_threshold_bytes),
     }

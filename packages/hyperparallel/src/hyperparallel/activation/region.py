@@ -16,7 +16,7 @@ import contextvars
 import enum
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +29,19 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from hyperparallel.activation._stored import (
+    InputSlot,
+    Keep,
+    OpRecord,
+    RecomputeSlot,
+    SavedOutputs,
+    SwappedOutputs,
+    SwapSlot,
+    mutated_args,
+    op_info,
+    storage_address,
+    tensors_of,
+)
 from hyperparallel.activation.policy import CheckpointPolicy, PolicyContext, PolicyFn
 from hyperparallel.activation.report import current_tracker, is_parameter_like
 from hyperparallel.activation.schedule import current_session, no_session
@@ -53,142 +66,6 @@ def current_region() -> Region | None:
 
 class _StopReplay(Exception):
     """Raised from the replay's pack hook once every tensor backward needs exists."""
-
-
-def _ptr(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    return tensor.device, tensor.untyped_storage().data_ptr()
-
-
-@dataclass(frozen=True)
-class _OpInfo:
-    """What the region needs from an op's schema, computed once per op."""
-
-    returns_alias: bool  # views and in-place ops: their outputs reuse an input's storage
-    mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments written in place
-    seeded: bool  # draws random numbers
-
-
-_OP_INFO: dict[Any, _OpInfo] = {}
-
-
-def _op_info(func: Any) -> _OpInfo:
-    info = _OP_INFO.get(func)
-    if info is None:
-        schema = func._schema
-        info = _OP_INFO[func] = _OpInfo(
-            returns_alias=any(r.alias_info is not None for r in schema.returns),
-            mutated=tuple(
-                (i, a.name)
-                for i, a in enumerate(schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write
-            ),
-            seeded=torch.Tag.nondeterministic_seeded in func.tags,
-        )
-    return info
-
-
-def _mutated_args(info: _OpInfo, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors an op writes to (in-place and out= arguments)."""
-    found = []
-    for i, name in info.mutated:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-    return found
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)) and all(not isinstance(x, (tuple, list, dict)) for x in out):
-        return [x for x in out if isinstance(x, torch.Tensor)]
-    return [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-
-
-@dataclass
-class _OpRecord:
-    index: int
-    op: Any  # the OpOverload
-    policy: CheckpointPolicy
-    swaps: dict[tuple[torch.device, int], SwappedStorage] = field(default_factory=dict)
-
-
-@dataclass
-class _Keep:
-    """A saved tensor kept as is; its version is checked at unpack."""
-
-    tensor: torch.Tensor
-    version: int
-    what: str
-
-
-@dataclass
-class _SwapSlot:
-    storage: SwappedStorage
-    meta: TensorMeta
-
-
-@dataclass
-class _InputSlot:
-    index: int
-    meta: TensorMeta
-
-
-@dataclass
-class _RecomputeSlot:
-    position: int
-
-
-class _Saved:
-    """Outputs of a saved op (or an excluded call), for replay: detached aliases that share the
-    originals' version counters."""
-
-    def __init__(self, out: Any, record: _OpRecord | None, region: str) -> None:
-        tensors = _tensors(out)
-        self.requires_grad = [t.requires_grad for t in tensors]
-        self.out = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
-        self.versions = [t._version for t in tensors]
-        self.record, self.region = record, region
-
-    def tensors(self) -> list[torch.Tensor]:
-        return _tensors(self.out)
-
-    def materialize(self) -> Any:
-        for t, version in zip(self.tensors(), self.versions, strict=True):
-            if t._version != version:
-                what = "output of an excluded call"
-                if self.record is not None:
-                    what = f"output of {self.record.op} (op {self.record.index})"
-                raise RuntimeError(
-                    f"{what} in checkpoint region {self.region!r} was saved for backward and then "
-                    f"modified in place (version {version} -> {t._version}); recompute would "
-                    "read the modified values. Clone it before modifying it."
-                )
-        return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, self.out)
-
-
-class _Swapped:
-    """Outputs of a swapped op, for replay: each output's layout, and its host copy once backward
-    saved it (swaps start at the first pack, so only tensors backward needs are copied)."""
-
-    def __init__(self, out: Any, record: _OpRecord) -> None:
-        leaves, self.spec = tree_flatten(out)
-        self.record = record
-        self.leaves = [
-            (_ptr(x), TensorMeta.of(x)) if isinstance(x, torch.Tensor) else x for x in leaves
-        ]
-
-    def materialize(self) -> Any:
-        """The outputs rebuilt from host copies, or None when one was never swapped."""
-        swaps = self.record.swaps
-        leaves = []
-        for leaf in self.leaves:
-            if isinstance(leaf, tuple) and isinstance(leaf[1], TensorMeta):
-                if leaf[0] not in swaps:
-                    return None  # never saved for backward: replay runs the op instead
-                leaf = swaps[leaf[0]].view(leaf[1])
-            leaves.append(leaf)
-        return tree_unflatten(leaves, self.spec)
 
 
 @dataclass
@@ -254,7 +131,7 @@ class Region:
         self._input_meta = {i: TensorMeta.of(x) for i, x in self._inputs.items()}
         self._input_versions = {i: x._version for i, x in self._inputs.items()}
         self._input_ptrs = {
-            _ptr(x): i
+            storage_address(x): i
             for i, x in self._inputs.items()
             if not is_parameter_like(x) and x.untyped_storage().nbytes()
         }
@@ -262,16 +139,14 @@ class Region:
         self._input_slots = 0
         # storage address -> (weak ref to that storage, the op that allocated it); the weak ref
         # tells a live storage from a freed one whose address was reused.
-        self._produced: dict[tuple[torch.device, int], tuple[StorageWeakRef, _OpRecord]] = {}
-        # A uniform policy needs no per-op decisions: no dispatch modes, every tensor saved in
-        # the region that is not an input or a weight gets the one choice.
-        self._uniform: CheckpointPolicy | None = (
-            CheckpointPolicy.PREFER_RECOMPUTE
-            if policy_fn is None
-            else getattr(policy_fn, "uniform_choice", None)
+        self._produced: dict[tuple[torch.device, int], tuple[StorageWeakRef, OpRecord]] = {}
+        # A policy that depends only on sizes needs no per-op decisions and no dispatch modes:
+        # each tensor saved in the region (not an input, not a weight) is decided as it is saved.
+        self._size_rule: Callable[[int], CheckpointPolicy] | None = (
+            _recompute_all if policy_fn is None else getattr(policy_fn, "size_rule", None)
         )
-        self._cache: dict[int, _Saved | _Swapped] = {}
-        self._excluded: list[_Saved] = []
+        self._cache: dict[int, SavedOutputs | SwappedOutputs] = {}
+        self._excluded: list[SavedOutputs] = []
         self._swapped: list[SwappedStorage] = []
         self._needed: set[int] = set()
         self._recomputed: dict[int, torch.Tensor] = {}
@@ -299,7 +174,7 @@ class Region:
         (args, kwargs), self._call = self._call, None
         token = _CURRENT.set(self)
         try:
-            self._mode = _ForwardMode(self) if self._uniform is None else None
+            self._mode = _ForwardMode(self) if self._size_rule is None else None
             with (
                 torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
                 self._mode or contextlib.nullcontext(),
@@ -315,13 +190,13 @@ class Region:
         """Ask the policy about ``func``'s new outputs; note who made each storage."""
         index = self._op_count
         self._op_count += 1
-        info = _op_info(func)
+        info = op_info(func)
         if info.mutated:
-            for written in _mutated_args(info, args, kwargs):
+            for written in mutated_args(info, args, kwargs):
                 self._demote(self._producer(written), func)
         if info.returns_alias:
             return  # a view or an in-place op: the storage's first producer decides
-        fresh = [t for t in _tensors(out) if t.numel()]
+        fresh = [t for t in tensors_of(out) if t.numel()]
         if not fresh:
             return
         choice = None
@@ -329,22 +204,22 @@ class Region:
             ctx = PolicyContext(self.name, index, tuple(fresh))
             choice = self.policy_fn(ctx, func, *args, **kwargs)
         choice = CheckpointPolicy(choice or CheckpointPolicy.PREFER_RECOMPUTE)
-        record = _OpRecord(index, func, choice)
+        record = OpRecord(index, func, choice)
         if choice.is_save:
-            self._cache[index] = _Saved(out, record, self.name)
+            self._cache[index] = SavedOutputs(out, record, self.name)
         elif choice.is_swap:
-            self._cache[index] = _Swapped(out, record)
+            self._cache[index] = SwappedOutputs(out, record)
         for t in fresh:
-            self._produced[_ptr(t)] = (StorageWeakRef(t.untyped_storage()), record)
+            self._produced[storage_address(t)] = (StorageWeakRef(t.untyped_storage()), record)
 
-    def _producer(self, tensor: torch.Tensor) -> _OpRecord | None:
+    def _producer(self, tensor: torch.Tensor) -> OpRecord | None:
         """The region op that allocated ``tensor``'s storage, if the storage is still that one."""
-        entry = self._produced.get(_ptr(tensor))
+        entry = self._produced.get(storage_address(tensor))
         if entry is None or entry[0].expired():
             return None
         return entry[1]
 
-    def _demote(self, record: _OpRecord | None, func: Any) -> None:
+    def _demote(self, record: OpRecord | None, func: Any) -> None:
         if record is None or record.policy.is_recompute:
             return
         if record.policy is CheckpointPolicy.MUST_SAVE:
@@ -374,7 +249,7 @@ class Region:
 
     def store_excluded(self, out: Any) -> None:
         """Keep an excluded call's outputs for replay, which will not run that call."""
-        self._excluded.append(_Saved(out, None, self.name))
+        self._excluded.append(SavedOutputs(out, None, self.name))
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         self.in_hook = True
@@ -388,22 +263,23 @@ class Region:
             return self._keep(tensor, f"a tensor saved inside an excluded call in {self.name!r}")
         position = self._pack_count
         self._pack_count += 1
-        key = _ptr(tensor)
+        key = storage_address(tensor)
         record = self._producer(tensor)
         index = self._input_ptrs.get(key)
         if (
             record is None
-            and self._uniform is not None
+            and self._size_rule is not None
             and index is None
             and not is_parameter_like(tensor)
         ):
             op = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "an op"
-            record = _OpRecord(-1 - position, op, self._uniform)
+            choice = self._size_rule(tensor.untyped_storage().nbytes())
+            record = OpRecord(-1 - position, op, choice)
             self._produced[key] = (StorageWeakRef(tensor.untyped_storage()), record)
         if record is None:
             if index is not None and self.swap_inputs:
                 self._input_slots += 1
-                return _InputSlot(index, TensorMeta.of(tensor))
+                return InputSlot(index, TensorMeta.of(tensor))
             what = f"a tensor from outside checkpoint region {self.name!r}"
             if index is not None:
                 what = f"input {index} of checkpoint region {self.name!r}"
@@ -420,23 +296,23 @@ class Region:
                 self._swapped.append(swap)
             if self._tracker is not None:
                 self._tracker.add(("swap", id(swap)), swap.nbytes, "host")
-            return _SwapSlot(swap, TensorMeta.of(tensor))
+            return SwapSlot(swap, TensorMeta.of(tensor))
         self._needed.add(position)
         if self._tracker is not None:
             storage = tensor.untyped_storage()
             key = ("recompute", id(self), record.index, key)
             self._tracker.add(key, storage.nbytes(), "recomputed")
-        return _RecomputeSlot(position)
+        return RecomputeSlot(position)
 
-    def _keep(self, tensor: torch.Tensor, what: str) -> _Keep:
+    def _keep(self, tensor: torch.Tensor, what: str) -> Keep:
         if self._tracker is not None:
             self._tracker.add_tensor(tensor, "device")
-        return _Keep(tensor, tensor._version, what)
+        return Keep(tensor, tensor._version, what)
 
     def _finish_forward(self, out: Any) -> None:
         self.phase = Phase.WAITING
         for index, entry in list(self._cache.items()):
-            if isinstance(entry, _Swapped) and not entry.record.swaps:
+            if isinstance(entry, SwappedOutputs) and not entry.record.swaps:
                 del self._cache[index]  # never saved: if replay needs it, replay runs the op
         if not self._needed:
             # Nothing to recompute: stored outputs only serve slots, which hold their own refs.
@@ -446,7 +322,7 @@ class Region:
                 self._inputs.clear()
         elif self._tracker is not None:
             for entry in (*self._cache.values(), *self._excluded):
-                if isinstance(entry, _Saved):
+                if isinstance(entry, SavedOutputs):
                     for t in entry.tensors():
                         self._tracker.add_tensor(t, "device")
                 else:
@@ -515,7 +391,7 @@ class Region:
     # ---- backward ------------------------------------------------------------------------
 
     def _unpack(self, slot: Any) -> torch.Tensor:
-        if isinstance(slot, _Keep):
+        if isinstance(slot, Keep):
             if not is_parameter_like(slot.tensor) and slot.tensor._version != slot.version:
                 raise RuntimeError(
                     f"{slot.what} was saved for backward and then modified in place (version "
@@ -523,9 +399,9 @@ class Region:
                     "modified values. Clone it before modifying it."
                 )
             return slot.tensor
-        if isinstance(slot, _SwapSlot):
+        if isinstance(slot, SwapSlot):
             return slot.storage.view(slot.meta)
-        if isinstance(slot, _InputSlot):
+        if isinstance(slot, InputSlot):
             return self._input(slot.index, slot.meta)
         if slot.position not in self._recomputed:
             self.recompute()
@@ -564,7 +440,7 @@ class Region:
                 stack.enter_context(
                     torch.autograd.graph.saved_tensors_hooks(self._replay_pack, _never_unpacked)
                 )
-                if self._uniform is None:
+                if self._size_rule is None:
                     stack.enter_context(_ReplayMode(self))
                 with contextlib.suppress(_StopReplay):
                     self.fn(*args, **kwargs)
@@ -605,7 +481,7 @@ class Region:
         index = self._replay_ops
         self._replay_ops += 1
         entry = self._cache.get(index)
-        if entry is None or _op_info(func).seeded:
+        if entry is None or op_info(func).seeded:
             return func(*args, **kwargs)  # random ops always run: later ones need their draws
         out = entry.materialize()
         return func(*args, **kwargs) if out is None else out
@@ -632,6 +508,10 @@ class Region:
             if len(self._results) == len(self._needed):
                 raise _StopReplay
         return None
+
+
+def _recompute_all(nbytes: int) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _never_unpacked(packed: Any) -> torch.Tensor:
