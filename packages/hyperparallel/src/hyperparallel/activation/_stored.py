@@ -3,6 +3,7 @@ of saved and swapped ops (for replay), and the facts about an op's schema the re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,7 @@ class Keep:
 
     tensor: torch.Tensor
     version: int
-    what: str
+    what: Callable[[], str]  # built only for an error message
 
 
 @dataclass

@@ -260,7 +260,9 @@ class Region:
 
     def _pack_slot(self, tensor: torch.Tensor) -> Any:
         if self.excluding:
-            return self._keep(tensor, f"a tensor saved inside an excluded call in {self.name!r}")
+            return self._keep(
+                tensor, lambda: f"a tensor saved inside an excluded call in {self.name!r}"
+            )
         position = self._pack_count
         self._pack_count += 1
         key = storage_address(tensor)
@@ -280,19 +282,18 @@ class Region:
             if index is not None and self.swap_inputs:
                 self._input_slots += 1
                 return InputSlot(index, TensorMeta.of(tensor))
-            what = f"a tensor from outside checkpoint region {self.name!r}"
-            if index is not None:
-                what = f"input {index} of checkpoint region {self.name!r}"
-            return self._keep(tensor, what)
+            if index is None:
+                return self._keep(tensor, lambda: f"a tensor from outside region {self.name!r}")
+            return self._keep(tensor, lambda: f"input {index} of checkpoint region {self.name!r}")
         if record.policy.is_save:
-            return self._keep(tensor, f"output of {record.op} in {self.name!r}")
+            return self._keep(tensor, lambda: f"output of {record.op} in {self.name!r}")
         if record.policy.is_swap:
             swap = record.swaps.get(key)
             if swap is None:
-                what = (
-                    f"output of {record.op} (op {record.index}) in checkpoint region {self.name!r}"
+                swap = record.swaps[key] = SwappedStorage(
+                    tensor,
+                    lambda: f"output of {record.op} (op {record.index}) in region {self.name!r}",
                 )
-                swap = record.swaps[key] = SwappedStorage(tensor, what)
                 self._swapped.append(swap)
             if self._tracker is not None:
                 self._tracker.add(("swap", id(swap)), swap.nbytes, "host")
@@ -304,7 +305,7 @@ class Region:
             self._tracker.add(key, storage.nbytes(), "recomputed")
         return RecomputeSlot(position)
 
-    def _keep(self, tensor: torch.Tensor, what: str) -> Keep:
+    def _keep(self, tensor: torch.Tensor, what: Callable[[], str]) -> Keep:
         if self._tracker is not None:
             self._tracker.add_tensor(tensor, "device")
         return Keep(tensor, tensor._version, what)
@@ -361,7 +362,7 @@ class Region:
         for i, t in list(self._inputs.items()):
             if is_parameter_like(t) or not t.untyped_storage().nbytes():
                 continue
-            swap = SwappedStorage(t, f"input {i} of checkpoint region {self.name!r}")
+            swap = SwappedStorage(t, lambda i=i: f"input {i} of checkpoint region {self.name!r}")
             self._input_swaps[i] = swap
             if self._tracker is not None:
                 self._tracker.move_tensor(t, "host")
@@ -394,7 +395,7 @@ class Region:
         if isinstance(slot, Keep):
             if not is_parameter_like(slot.tensor) and slot.tensor._version != slot.version:
                 raise RuntimeError(
-                    f"{slot.what} was saved for backward and then modified in place (version "
+                    f"{slot.what()} was saved for backward and then modified in place (version "
                     f"{slot.version} -> {slot.tensor._version}); backward would use the "
                     "modified values. Clone it before modifying it."
                 )

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,7 +55,9 @@ class SwappedStorage:
     check is bypassed once saved-tensor hooks are installed, so this one replaces it.
     """
 
-    def __init__(self, source: torch.Tensor, what: str, engine: SwapEngine | None = None) -> None:
+    def __init__(
+        self, source: torch.Tensor, what: Callable[[], str], engine: SwapEngine | None = None
+    ) -> None:
         self.engine = engine or _ENGINE
         self.device = source.device
         self.what = what
@@ -78,7 +81,7 @@ class SwappedStorage:
         source = self._source()
         if source is not None and source._version != self._version:
             raise RuntimeError(
-                f"{self.what} was swapped to host for backward and then modified in place "
+                f"{self.what()} was swapped to host for backward and then modified in place "
                 f"(version {self._version} -> {source._version}); backward would use stale "
                 "values. Clone it before modifying it, or mark its producing op MUST_SAVE."
             )
@@ -124,8 +127,7 @@ class SwappedStorage:
             self.engine.pool.release(self.host)
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
     """Enough to rebuild a tensor (or a view) over a storage: dtype, size, stride, offset."""
 
     dtype: torch.dtype
@@ -139,8 +141,8 @@ class TensorMeta:
         """The layout of ``tensor`` relative to its storage."""
         return cls(
             tensor.dtype,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
+            tensor.shape,
+            tensor.stride(),
             tensor.storage_offset(),
             tensor.requires_grad,
         )
