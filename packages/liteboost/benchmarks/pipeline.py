@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from npu_core.bench import BenchTable, compare
 
 import liteboost
 from liteboost.tiny import build_tiny_pipeline
+from npu_core.bench import BenchTable, compare
 
 CALL = dict(
     prompt="a kite",

@@ -14,9 +14,9 @@ import argparse
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-from npu_core.bench import BenchTable, compare
 
 from liteboost.ops.rope import apply_rope, build_rope_tables, rope_tables
+from npu_core.bench import BenchTable, compare
 
 # Wan2.1 1.3B at 480p: 12 heads of 128; 5 latent frames of 30 x 52 tokens (a 17-frame clip).
 GRID = (5, 30, 52)
@@ -34,13 +34,51 @@ def _diffusers_rotate(x, freqs_cos, freqs_sin):
     return out.type_as(x)
 
 
+def _bench_dtype(dtype, rope, latent, tables, repeats, table) -> None:
+    frames, height, width = GRID
+    seq = frames * height * width
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, seq, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(1, seq, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+
+    def stock():
+        cos, sin = rope(latent)  # diffusers rebuilds these every forward
+        return _diffusers_rotate(q, cos, sin), _diffusers_rotate(k, cos, sin)
+
+    def boosted():
+        freqs = rope_tables(HEAD_DIM, GRID).freqs  # cache hit after the first call
+        return apply_rope(q, freqs), apply_rope(k, freqs)
+
+    result = compare(stock, boosted, repeats=repeats)
+    diff = (stock()[0].float() - boosted()[0].float()).abs().max().item()
+    table.add(
+        case="tables + rotate q and k",
+        dtype=name,
+        diffusers_ms=result.baseline.median * 1e3,
+        liteboost_ms=result.candidate.median * 1e3,
+        speedup=result.speedup,
+        max_abs_diff=diff,
+    )
+    cos, sin = rope(latent)
+    rot = compare(
+        lambda: _diffusers_rotate(q, cos, sin), lambda: apply_rope(q, tables.freqs), repeats=repeats
+    )
+    table.add(
+        case="rotate only (tables prebuilt)",
+        dtype=name,
+        diffusers_ms=rot.baseline.median * 1e3,
+        liteboost_ms=rot.candidate.median * 1e3,
+        speedup=rot.speedup,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for rope.{json,md}")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     frames, height, width = GRID
-    seq = frames * height * width
     rope = WanRotaryPosEmbed(HEAD_DIM, (1, 2, 2), max_seq_len=1024)
     latent = torch.zeros(1, 1, frames, 2 * height, 2 * width)
     table = BenchTable(
@@ -60,41 +98,7 @@ def main() -> None:
         speedup=build.speedup,
     )
     for dtype in (torch.float32, torch.bfloat16):
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, seq, HEADS, HEAD_DIM, generator=gen).to(dtype)
-        k = torch.randn(1, seq, HEADS, HEAD_DIM, generator=gen).to(dtype)
-
-        def stock():
-            cos, sin = rope(latent)  # diffusers rebuilds these every forward
-            return _diffusers_rotate(q, cos, sin), _diffusers_rotate(k, cos, sin)
-
-        def boosted():
-            freqs = rope_tables(HEAD_DIM, GRID).freqs  # cache hit after the first call
-            return apply_rope(q, freqs), apply_rope(k, freqs)
-
-        result = compare(stock, boosted, repeats=args.repeats)
-        diff = (stock()[0].float() - boosted()[0].float()).abs().max().item()
-        table.add(
-            case="tables + rotate q and k",
-            dtype=str(dtype).removeprefix("torch."),
-            diffusers_ms=result.baseline.median * 1e3,
-            liteboost_ms=result.candidate.median * 1e3,
-            speedup=result.speedup,
-            max_abs_diff=diff,
-        )
-        cos, sin = rope(latent)
-        rot = compare(
-            lambda: _diffusers_rotate(q, cos, sin),
-            lambda: apply_rope(q, tables.freqs),
-            repeats=args.repeats,
-        )
-        table.add(
-            case="rotate only (tables prebuilt)",
-            dtype=str(dtype).removeprefix("torch."),
-            diffusers_ms=rot.baseline.median * 1e3,
-            liteboost_ms=rot.candidate.median * 1e3,
-            speedup=rot.speedup,
-        )
+        _bench_dtype(dtype, rope, latent, tables, args.repeats, table)
     print(table.to_markdown())
     table.write(args.out, "rope")
 

@@ -15,11 +15,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from npu_core.bench import BenchTable, Timing
 
 from liteboost.ops.rain_fusion import build_block_mask, flex_block_sparse_attention
 from liteboost.ops.sparse_attention import plan_sparse_attention, sparse_attention
 from liteboost.ops.tiling import reorder
+from npu_core.bench import BenchTable, Timing
 
 # (grid, heads, head_dim): S = 4096, 8192, 16384. Fewer heads at the largest S keep the run
 # under ~10 minutes on 2 CPU cores (dense SDPA there costs seconds per call).

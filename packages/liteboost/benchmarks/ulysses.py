@@ -1,9 +1,9 @@
 """Ulysses overhead: a Wan transformer forward on 2 ranks vs the same forward in one process.
 
-Both ranks first time the single-process forward (each core busy, like the parallel run), then
-the Ulysses forward, in interleaved rounds. On one 2-core CPU the two ranks share the cores the
-single process had, so the ratio shows the communication and padding cost, not a speed-up a
-multi-device machine would give.
+Each rank runs with one thread (npu-core's launcher gives a rank cpu_count / world threads), so
+"single" is the whole forward on one core and "ulysses" the same forward split over two cores
+with two all-to-alls per self-attention and a gather at the end: the ratio is the parallel
+gain net of communication and padding. Both are timed in interleaved rounds between barriers.
 
     python packages/liteboost/benchmarks/ulysses.py --out DIR
 """
@@ -15,11 +15,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from npu_core.bench import BenchTable, Timing
-from npu_core.dist import launch
 
 import liteboost
 from liteboost.tiny import build_tiny_transformer
+from npu_core.bench import BenchTable, Timing
+from npu_core.dist import launch
 
 CONFIG = dict(num_attention_heads=4, attention_head_dim=32, text_dim=16, ffn_dim=256, num_layers=2)
 GRIDS = [(5, 16, 16), (5, 15, 17)]  # 1280 tokens (even) and 1275 (uneven: padded)
@@ -33,29 +33,30 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _bench_grid(model, grid, rounds: int) -> dict:
+    frames, height, width = grid
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(1, 4, frames, 2 * height, 2 * width, generator=gen),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 16, 16, generator=gen),
+    }
+    reference = model(**inputs).sample
+    manager = liteboost.ParallelManager(model)
+    diff = (model(**inputs).sample - reference).abs().max().item()
+    manager.remove()
+    single, parallel = [], []
+    for _ in range(rounds):
+        single.append(_timed(lambda: model(**inputs)))
+        with liteboost.ParallelManager(model):
+            parallel.append(_timed(lambda: model(**inputs)))
+    return {"grid": grid, "single": single, "parallel": parallel, "diff": diff}
+
+
 @torch.no_grad()
 def _rank(rounds: int) -> list[dict]:
     model = build_tiny_transformer(**CONFIG)
-    rows = []
-    for grid in GRIDS:
-        frames, height, width = grid
-        gen = torch.Generator().manual_seed(0)
-        inputs = {
-            "hidden_states": torch.randn(1, 4, frames, 2 * height, 2 * width, generator=gen),
-            "timestep": torch.tensor([500]),
-            "encoder_hidden_states": torch.randn(1, 16, 16, generator=gen),
-        }
-        single, parallel = [], []
-        reference = model(**inputs).sample
-        manager = liteboost.ParallelManager(model)
-        diff = (model(**inputs).sample - reference).abs().max().item()
-        manager.remove()
-        for _ in range(rounds):
-            single.append(_timed(lambda: model(**inputs)))
-            with liteboost.ParallelManager(model):
-                parallel.append(_timed(lambda: model(**inputs)))
-        rows.append({"grid": grid, "single": single, "parallel": parallel, "diff": diff})
-    return rows
+    return [_bench_grid(model, grid, rounds) for grid in GRIDS]
 
 
 def main() -> None:

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import tiny_inputs
-from npu_core.dist import launch
 
 import liteboost
 from liteboost.parallel.vae_dp import decoder_receptive_field, plan_spans
 from liteboost.tiny import build_tiny_transformer, build_tiny_vae
+from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed
 

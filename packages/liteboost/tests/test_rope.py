@@ -20,7 +20,7 @@ def _diffusers_rotate(x, freqs_cos, freqs_sin):
 
 @pytest.mark.parametrize(("head_dim", "grid"), [(12, (3, 4, 4)), (128, (5, 30, 52))])
 def test_rope_matches_diffusers_fp32_within_1e6(head_dim, grid):
-    """Same tables (cos/sin) and same rotated values as diffusers, to 1e-6, at tiny and 480p sizes."""
+    """Same tables and rotated values as diffusers, to 1e-6, at tiny and 480p sizes."""
     rope = WanRotaryPosEmbed(head_dim, (1, 2, 2), max_seq_len=1024)
     frames, height, width = grid
     cos, sin = rope(torch.zeros(1, 1, frames, 2 * height, 2 * width))

@@ -1,4 +1,4 @@
-"""Tile reorder: a permutation whose inverse restores the raw order, for aligned and ragged grids."""
+"""Tile reorder: a permutation whose inverse restores raw order, for aligned and ragged grids."""
 
 import pytest
 import torch

@@ -12,6 +12,7 @@ def components(model_or_pipeline: object) -> list[tuple[str, torch.nn.Module]]:
     table = getattr(model_or_pipeline, "components", None)
     if not isinstance(table, dict):
         raise TypeError(
-            f"expected a torch.nn.Module or a diffusers pipeline, got {type(model_or_pipeline).__name__}"
+            "expected a torch.nn.Module or a diffusers pipeline, "
+            f"got {type(model_or_pipeline).__name__}"
         )
     return [(name, m) for name, m in table.items() if isinstance(m, torch.nn.Module)]

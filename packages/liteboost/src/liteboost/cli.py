@@ -71,10 +71,10 @@ def generate(
 
     Runs unchanged under torchrun (then --nproc is ignored and each process is one rank).
     """
-    from npu_core.dist import run
     from rich.console import Console
 
     from liteboost.generate import GenerateOptions, generate_rank
+    from npu_core.dist import run
 
     options = GenerateOptions(
         prompt=prompt,

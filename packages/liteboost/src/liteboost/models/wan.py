@@ -1,4 +1,4 @@
-"""Wan2.1 / Wan2.2 plans: boost and Ulysses for WanTransformer3DModel, temporal DP for AutoencoderKLWan.
+"""Wan2.1 / Wan2.2 plans: boost and Ulysses for WanTransformer3DModel, VAE temporal DP.
 
 Everything is attached through diffusers' extension points: processors through
 ``WanAttention.set_processor``, per-forward facts through ``diffusers.hooks.HookRegistry`` hooks

@@ -1,4 +1,4 @@
-"""High-level block-sparse attention for video tokens: tile, pool, score, keep top-k, attend, untile.
+"""Block-sparse attention for video tokens: tile, pool, score, keep top-k, attend, untile.
 
 Sequence layout: ``latent_shape`` video tokens (raster order, frame-major, as diffusers flattens
 them) followed by ``text_len`` text tokens (joint-attention models; Wan's self-attention has

@@ -98,7 +98,7 @@ def _gather_frames(local: torch.Tensor, counts: list[int], group) -> torch.Tenso
 def parallel_decode(
     vae, z: torch.Tensor, decode_fn, group=None, receptive_field: int | None = None
 ):
-    """Decode latents ``z`` [B, C, T, h, w] across the ranks of ``group``; every rank gets all frames.
+    """Decode latents ``z`` [B, C, T, h, w] across the ranks of ``group``; all ranks get all frames.
 
     Args:
         vae: the AutoencoderKLWan.
