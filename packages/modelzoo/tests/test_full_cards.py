@@ -64,3 +64,30 @@ def test_full_card_converts_and_runs_tiny(name, tmp_path):
     if card.convert.method == "export":
         assert manifest["max_abs_diff_vs_eager"] < 1e-3
     _check_result(card, run(card, tiny=True))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_video_run_on_two_ranks_matches_single_process():
+    """`run --nproc 2` (liteboost Ulysses over gloo) gives the single-process latent."""
+    pytest.importorskip("liteboost", reason="liteboost (video extra) is not installed")
+    import liteboost
+
+    if not hasattr(liteboost, "ParallelManager"):
+        pytest.skip("this liteboost has no ParallelManager")
+    from modelzoo.cli import _rank_run
+    from npu_core.dist import launch
+
+    card = registry.get("wan2.1-t2v-14b")
+    # Dense attention keeps the ranks from compiling FlexAttention (minutes on 2 cores); the
+    # Ulysses all-to-all path is the same.
+    boost = card.convert.liteboost | {"sparsity": 0.0}
+    card = card.model_copy(update={"convert": card.convert.model_copy(update={"liteboost": boost})})
+    kwargs = {"tiny": True, "path": None, "dtype": None, "boost": True}
+    ranks = launch(_rank_run, 2, card, kwargs, timeout=600.0)
+    single = run(card, tiny=True)
+    assert all(r["liteboost"]["ulysses_degree"] == 2 for r in ranks)
+    for r in ranks:
+        assert r["liteboost"]["options"]["sparsity"] == 0.0
+        assert r["result"]["latent_std"] == pytest.approx(single["result"]["latent_std"], abs=1e-4)
+        assert r["result"]["moved"] == pytest.approx(single["result"]["moved"], abs=1e-4)

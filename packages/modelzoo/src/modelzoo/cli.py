@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from modelzoo import registry
-from modelzoo.schema import Category, Status
+from modelzoo.schema import Category, ModelCard, Status
 from modelzoo.table import render_markdown, update_readme
 from modelzoo.validate import CardError
 
@@ -129,10 +129,11 @@ def convert(
     console.print(json.dumps(manifest, indent=2, default=str))
 
 
-def _rank_run(name: str, kwargs: dict) -> dict:
+def _rank_run(card: ModelCard, kwargs: dict) -> dict:
+    """One rank of ``run --nproc N`` (module level, so the launcher can pickle it)."""
     from modelzoo.runner import run as run_example
 
-    return run_example(registry.get(name), **kwargs)
+    return run_example(card, **kwargs)
 
 
 @app.command()
@@ -167,7 +168,7 @@ def run(
     if nproc > 1:
         from npu_core.dist import launch
 
-        results = launch(_rank_run, nproc, card.id, kwargs, timeout=1800.0)
+        results = launch(_rank_run, nproc, card, kwargs, timeout=1800.0)
         result = {**results[0], "nproc": nproc}
     else:
         from modelzoo.runner import run as run_example

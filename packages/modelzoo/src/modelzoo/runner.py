@@ -39,8 +39,12 @@ def _apply_liteboost(card: ModelCard, model: torch.nn.Module, tiny: bool) -> dic
     applied: dict[str, Any] = {"applied": True, "options": options}
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world > 1 and hasattr(liteboost, "ParallelManager"):
-        liteboost.ParallelManager(model, ulysses_degree=ulysses, vae_parallel=vae_parallel)
-        applied["ulysses_degree"] = ulysses or world
+        # The card's degree is sized for the full model; a launch with fewer ranks uses them all.
+        degree = (
+            ulysses if ulysses is not None and ulysses <= world and world % ulysses == 0 else None
+        )
+        manager = liteboost.ParallelManager(model, ulysses_degree=degree, vae_parallel=vae_parallel)
+        applied["ulysses_degree"] = manager.config.ulysses_degree
     return applied
 
 
