@@ -246,3 +246,14 @@ def test_nested_regions_are_refused():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(ValueError, match="nested regions are not supported"):
         checkpoint(lambda t: checkpoint(torch.sin, t), x)
+
+
+def test_tracker_keeps_autograd_in_place_check_outside_regions():
+    """Counting through a hook must not hide an in-place change to a saved tensor."""
+    x = torch.randn(4, requires_grad=True)
+    with track_saved_activations():
+        y = torch.exp(x)
+        out = (y * 2).sum()
+    y.add_(1)
+    with pytest.raises(RuntimeError, match=r"modified in place afterwards \(version 0 -> 1\)"):
+        out.backward()

@@ -133,10 +133,18 @@ def tap_saved_tensors(tracker: ActivationTracker, placement: Placement) -> Itera
 
         def pack(tensor: torch.Tensor) -> object:
             tracker.add_tensor(tensor, placement)
-            return tensor
+            return tensor, tensor._version
 
-        def unpack(packed: object) -> torch.Tensor:
-            return packed
+        def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+            # Hooks switch off autograd's own check that a saved tensor was not modified.
+            tensor, version = packed
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"a tensor of shape {tuple(tensor.shape)} saved for backward was modified in "
+                    f"place afterwards (version {version} -> {tensor._version}); backward would "
+                    "use the modified values. Clone it before modifying it."
+                )
+            return tensor
 
     else:
         outer_pack, outer_unpack = top
