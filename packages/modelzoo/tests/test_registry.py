@@ -123,3 +123,38 @@ def test_cli_validate_reports_bad_extra_card(tmp_path):
         registry.unregister("bad-arch")
     assert out.exit_code == 1
     assert "field 'architecture'" in out.output and "NotAModel" in out.output
+
+
+_BLOCK_EXTRAS = """
+import importlib.abc, importlib.util, sys
+BLOCKED = ("transformers", "diffusers", "liteboost")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(name)
+sys.meta_path.insert(0, Block())
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda n, *a: None if n.split(".")[0] in BLOCKED else find_spec(n, *a)
+from modelzoo.cli import main
+sys.argv = ["modelzoo", *sys.argv[1:]]
+main()
+"""
+
+
+def test_cli_lists_and_validates_without_model_libraries():
+    """With transformers, diffusers and liteboost unimportable, list/validate still work and
+    run names the extra to install."""
+    import subprocess
+    import sys
+
+    def cli(*args):
+        cmd = [sys.executable, "-c", _BLOCK_EXTRAS, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    listed = cli("list", "--format", "json")
+    assert listed.returncode == 0, listed.stderr
+    assert len(json.loads(listed.stdout)) == 100
+    checked = cli("validate")
+    assert checked.returncode == 0 and "library class checked for 0" in checked.stdout
+    ran = cli("run", "qwen3-0.6b", "--tiny")
+    assert ran.returncode == 1 and "modelzoo[transformers]" in ran.stdout

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from modelzoo import registry
@@ -35,7 +36,13 @@ class Format(enum.StrEnum):
     MARKDOWN = "markdown"
 
 
-def _card(name: str):
+def _fail(exc: Exception) -> typer.Exit:
+    """Print a user-facing error (missing library, missing --path, listed card) and exit 1."""
+    console.print(f"[red]error[/red] {escape(str(exc))}")
+    return typer.Exit(1)
+
+
+def _card(name: str) -> ModelCard:
     try:
         return registry.get(name)
     except KeyError as exc:
@@ -92,13 +99,13 @@ def validate(
         extra = [registry.register(f, replace=True) for f in files or []]
         skipped = registry.validate_all([*cards, *extra])
     except CardError as exc:
-        console.print(f"[red]invalid card[/red] {exc}")
+        console.print(f"[red]invalid card[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     reasons = {k: v for k, v in skipped.items() if v}
     checked = len(skipped) - len(reasons)
     console.print(f"{len(skipped)} cards valid; library class checked for {checked}")
     for name, reason in sorted(reasons.items()):
-        console.print(f"  [yellow]skipped[/yellow] {name}: {reason}")
+        console.print(f"  [yellow]skipped[/yellow] {name}: {escape(reason)}")
 
 
 @app.command()
@@ -115,17 +122,21 @@ def convert(
     ] = False,
 ) -> None:
     """Convert a full card's model (torch.export .pt2 or safetensors) and write a manifest."""
+    from modelzoo.build import LibraryMissingError
     from modelzoo.convert import convert as run_convert
 
-    with console.status(f"converting {name}"):
-        manifest = run_convert(
-            _card(name),
-            out,
-            tiny=tiny,
-            path=path,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-        )
+    try:
+        with console.status(f"converting {name}"):
+            manifest = run_convert(
+                _card(name),
+                out,
+                tiny=tiny,
+                path=path,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+            )
+    except (LibraryMissingError, FileNotFoundError, ValueError) as exc:
+        raise _fail(exc) from None
     console.print(json.dumps(manifest, indent=2, default=str))
 
 
@@ -165,16 +176,21 @@ def run(
         "trust_remote_code": trust_remote_code,
         "prompt": prompt,
     }
-    if nproc > 1:
-        from npu_core.dist import launch
+    from modelzoo.build import LibraryMissingError
 
-        results = launch(_rank_run, nproc, card, kwargs, timeout=1800.0)
-        result = {**results[0], "nproc": nproc}
-    else:
-        from modelzoo.runner import run as run_example
+    try:
+        if nproc > 1:
+            from npu_core.dist import launch
 
-        with console.status(f"running {name}"):
-            result = run_example(card, **kwargs)
+            results = launch(_rank_run, nproc, card, kwargs, timeout=1800.0)
+            result = {**results[0], "nproc": nproc}
+        else:
+            from modelzoo.runner import run as run_example
+
+            with console.status(f"running {name}"):
+                result = run_example(card, **kwargs)
+    except (LibraryMissingError, FileNotFoundError, ValueError) as exc:
+        raise _fail(exc) from None
     print(json.dumps(result, indent=2, default=str))
 
 
