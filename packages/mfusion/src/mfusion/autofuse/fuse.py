@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from mfusion.autofuse.capability import OpCapability
+from mfusion.autofuse.capability import CapabilityTable, OpCapability
 from mfusion.autofuse.classify import RegionKind, node_kind, region_kind
 from mfusion.autofuse.cluster import grow_regions
 from mfusion.autofuse.outline import extract_region, replace_with_call
@@ -13,7 +13,7 @@ from mfusion.config import MFusionConfig
 from mfusion.report import GraphReport, RegionSummary
 
 
-def candidate_kinds(graph: fx.Graph, table) -> dict[fx.Node, RegionKind]:
+def candidate_kinds(graph: fx.Graph, table: CapabilityTable) -> dict[fx.Node, RegionKind]:
     """Nodes the backend's capability table accepts, with their refined kinds."""
     kinds = {}
     for node in graph.nodes:

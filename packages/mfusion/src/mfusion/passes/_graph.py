@@ -112,7 +112,7 @@ def fake_mode_of(graph: fx.Graph) -> FakeTensorMode | None:
     return None
 
 
-def _fake_args(args: object, fake_mode: FakeTensorMode | None) -> object:
+def _fake_args(args: object) -> object:
     return fx.node.map_arg(args, lambda n: n.meta["val"])
 
 
@@ -135,7 +135,7 @@ def emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     node = graph.call_function(target, args, kwargs)
     fake_mode = fake_mode_of(graph)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*_fake_args(args, fake_mode), **_fake_args(kwargs, fake_mode))
+        node.meta["val"] = target(*_fake_args(args), **_fake_args(kwargs))
     return node
 
 

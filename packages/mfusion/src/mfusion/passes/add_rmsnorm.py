@@ -10,7 +10,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import aten, cast_target, dtype_of, is_op, replace, tensor_val
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 from mfusion.passes.rmsnorm import emit_rmsnorm, match_rmsnorm
 
 
@@ -28,7 +28,7 @@ class AddRMSNormPass(MFusionPass):
 
     name = "add_rmsnorm"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         found = match_rmsnorm(node)
         if found is None:
             return None

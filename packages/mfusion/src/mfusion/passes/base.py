@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import inspect
 import sys
+from collections.abc import Callable
 from typing import ClassVar
 
 from torch import fx
@@ -27,6 +28,10 @@ class PassContext:
 
     def refused(self, pass_name: str, node: fx.Node, reason: str) -> None:
         self.record.decisions.append(Decision(pass_name, node.name, False, reason))
+
+
+Rewrite = Callable[[], str]
+"""Performs a matched rewrite at the graph's insertion point and returns what it became."""
 
 
 class Refusal(Exception):
@@ -59,8 +64,8 @@ class MFusionPass:
                     ctx.rewrote(self.name, node, rewrite())
                 _tag_inserted(first_new, node, self.name)
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
-        """Return None, raise Refusal, or return a zero-argument rewrite returning a description."""
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
+        """None (no match), :class:`Refusal` (unsafe match) or the :data:`Rewrite` to run."""
         raise NotImplementedError
 
     @classmethod

@@ -6,7 +6,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import aten, emit, is_op, replace, tensor_val
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 class BMMToMMPass(MFusionPass):
@@ -14,7 +14,7 @@ class BMMToMMPass(MFusionPass):
 
     name = "bmm_to_mm"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.bmm.default):
             return None
         va, vb = (tensor_val(a) for a in node.args[:2])
@@ -25,6 +25,8 @@ class BMMToMMPass(MFusionPass):
             raise Refusal(f"batch {batch} is symbolic: cannot prove it is 1")
         if batch != 1:
             return None
+        if not all(isinstance(s, int) for s in (*va.shape, *vb.shape)):
+            raise Refusal("M, K or N is symbolic: the 2-D views need static sizes")
 
         def rewrite() -> str:
             graph = node.graph

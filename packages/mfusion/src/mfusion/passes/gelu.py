@@ -23,7 +23,7 @@ from mfusion.passes._graph import (
     is_op,
     replace,
 )
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TANH_COEFF = 0.044715
@@ -66,7 +66,7 @@ class GELUPass(MFusionPass):
 
     name = "gelu"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.mul.Tensor):
             return None
         factors = _factors(node)

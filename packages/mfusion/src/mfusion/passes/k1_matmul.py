@@ -6,7 +6,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import FLOAT_DTYPES, aten, emit, is_op, replace, tensor_val
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 class K1MatMulPass(MFusionPass):
@@ -14,7 +14,7 @@ class K1MatMulPass(MFusionPass):
 
     name = "k1_matmul"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.mm.default, aten.bmm.default):
             return None
         va, vb = (tensor_val(a) for a in node.args[:2])

@@ -25,7 +25,7 @@ from mfusion.passes._graph import (
     replace,
     square_base,
 )
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 def _centered(node: object) -> tuple[fx.Node, fx.Node] | None:
@@ -75,7 +75,7 @@ class LayerNormPass(MFusionPass):
 
     name = "layernorm"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if is_op(node, aten.div.Tensor) and is_op(node.args[1], aten.sqrt.default):
             centered, denom = node.args[0], node.args[1].args[0]
         elif is_op(node, aten.mul.Tensor):
@@ -97,7 +97,7 @@ class LayerNormPass(MFusionPass):
         x, mean = found
         if not is_last_dim_reduction(mean.args[1], ndim_of(x)) or not _keepdim(mean, 2):
             raise Refusal(f"mean over dims {mean.args[1]} with keepdim; LayerNorm needs the last")
-        if is_op(denom, aten.add.Tensor):
+        if is_op(denom, aten.add.Tensor) and denom.kwargs.get("alpha", 1) == 1:
             var = next((a for a in denom.args[:2] if isinstance(a, fx.Node)), None)
             eps = other_operand(denom, var)
         else:

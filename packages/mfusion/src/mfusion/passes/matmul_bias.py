@@ -7,7 +7,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import aten, emit, is_op, other_operand, replace, tensor_val
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 def bias_refusal(bias: torch.Tensor, out: torch.Tensor) -> str | None:
@@ -30,7 +30,7 @@ class MatMulBiasPass(MFusionPass):
 
     name = "matmul_bias"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.add.Tensor) or node.kwargs.get("alpha", 1) != 1:
             return None
         mm = next((a for a in node.args[:2] if is_op(a, aten.mm.default)), None)

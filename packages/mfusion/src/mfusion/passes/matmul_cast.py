@@ -11,7 +11,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import LOW_PRECISION, aten, cast_target, dtype_of, emit, is_op, replace
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 MATMULS = (aten.mm.default, aten.bmm.default)
 
@@ -21,7 +21,7 @@ class MatMulCastPass(MFusionPass):
 
     name = "matmul_cast"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         target = cast_target(node)
         if target is None or not is_op(node.args[0], *MATMULS):
             return None

@@ -7,7 +7,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import aten, emit, is_op, other_operand, replace, tensor_val
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 from mfusion.passes.matmul_bias import bias_refusal
 
 RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
@@ -18,7 +18,7 @@ class MatMulReshapeBiasPass(MFusionPass):
 
     name = "matmul_reshape_bias"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.add.Tensor) or node.kwargs.get("alpha", 1) != 1:
             return None
         view = next((a for a in node.args[:2] if is_op(a, *RESHAPES)), None)
@@ -45,7 +45,8 @@ class MatMulReshapeBiasPass(MFusionPass):
                 bias if vb.dim() <= 1 else emit(graph, aten.reshape.default, bias, [vb.shape[-1]])
             )
             out = emit(graph, aten.addmm.default, flat, *mm.args[:2])
-            replace(node, emit(graph, view.target, out, list(vv.shape)))
+            # Reuse the original shape argument: it carries symbolic sizes as graph values.
+            replace(node, emit(graph, view.target, out, view.args[1]))
             return f"bias {tuple(vb.shape)} moved before the reshape into addmm"
 
         return rewrite

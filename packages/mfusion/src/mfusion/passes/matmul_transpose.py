@@ -10,7 +10,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import aten, emit, is_op, replace, tensor_val
-from mfusion.passes.base import MFusionPass
+from mfusion.passes.base import MFusionPass, Rewrite
 
 MATMULS = (aten.mm.default, aten.bmm.default, aten.addmm.default)
 
@@ -40,7 +40,7 @@ class MatMulTransposePass(MFusionPass):
 
     name = "matmul_transpose"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, *MATMULS):
             return None
         first = 1 if node.target is aten.addmm.default else 0

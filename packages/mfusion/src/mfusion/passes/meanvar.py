@@ -17,7 +17,7 @@ from mfusion.passes._graph import (
     normalized_dims,
     replace,
 )
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 def _mean_dims(node: fx.Node) -> tuple[object, bool]:
@@ -30,7 +30,7 @@ class MeanVarPass(MFusionPass):
 
     name = "meanvar"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.var.correction):
             return None
         x = node.args[0]

@@ -23,7 +23,7 @@ from mfusion.passes._graph import (
     other_operand,
     replace,
 )
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def match_rmsnorm(node: fx.Node) -> RMSNormMatch | None:
 def _check(out: fx.Node, x: object, denom: object) -> RMSNormMatch | None:
     if is_op(denom, aten.mean.dim):
         mean, eps = denom, None
-    elif is_op(denom, aten.add.Tensor):
+    elif is_op(denom, aten.add.Tensor) and denom.kwargs.get("alpha", 1) == 1:
         mean = next((a for a in denom.args if is_op(a, aten.mean.dim)), None)
         if mean is None:
             return None
@@ -99,7 +99,7 @@ class RMSNormPass(MFusionPass):
 
     name = "rmsnorm"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         found = match_rmsnorm(node)
         if found is None:
             return None

@@ -12,7 +12,7 @@ from torch import fx
 
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import LOW_PRECISION, aten, emit, is_op, replace, tensor_val
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 def _half(node: object, x: fx.Node, start: int, end: int) -> bool:
@@ -61,7 +61,7 @@ class RoPEPass(MFusionPass):
 
     name = "rope"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.add.Tensor):
             return None
         terms = [_mul_split(a) for a in node.args[:2]]

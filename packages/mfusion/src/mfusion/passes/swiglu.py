@@ -18,7 +18,7 @@ from mfusion.passes._graph import (
     replace,
     tensor_val,
 )
-from mfusion.passes.base import MFusionPass, Refusal
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 
 def silu_input(node: object) -> fx.Node | None:
@@ -48,7 +48,7 @@ class SwiGLUPass(MFusionPass):
 
     name = "swiglu"
 
-    def match_at(self, node: fx.Node, config: MFusionConfig):
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.mul.Tensor):
             return None
         for act, up in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
