@@ -29,6 +29,23 @@ def test_greedy_generation_matches_recomputed_argmax():
     assert tokens == seq[0, ids.shape[1] :].tolist()
 
 
+def test_multimodal_generation_matches_recomputed_argmax():
+    """Qwen3-VL: decoding through the cache (M-RoPE deltas kept from the prefill) picks the same
+    tokens as re-running image + text + generated tokens from scratch."""
+    card = registry.get("qwen3-vl-2b-instruct")
+    model = build_model(card, tiny=True)
+    example = example_for(card)
+    inputs = example.inputs(model)
+    tokens = example.generate(model, inputs, 3)
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        for _ in range(3):
+            full = inputs | {"input_ids": ids, "mm_token_type_ids": (ids == 120).int()}
+            nxt = model(**full, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    assert tokens == ids[0, inputs["input_ids"].shape[1] :].tolist()
+
+
 def test_saved_program_reloads_and_accepts_other_lengths(tmp_path):
     """The .pt2 written by convert loads with torch.export.load and runs a new sequence length."""
     card = registry.get("qwen3-8b")

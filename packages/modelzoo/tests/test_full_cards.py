@@ -26,6 +26,8 @@ def _check_result(card, out):
         assert len(result["prompt_ids"]) == ex.seq_len
         vocab = card.tiny.get("vocab_size", 128)
         assert all(0 <= t < vocab for t in result["new_token_ids"])
+    elif task is Task.IMAGE_TEXT_GENERATION:
+        assert result["image_tokens"] == 4 and len(result["new_token_ids"]) == ex.new_tokens
     elif task is Task.EMBEDDING:
         assert result["norms"] == pytest.approx([1.0, 1.0], abs=1e-5)
         assert -1.0 <= result["cosine"] <= 1.0

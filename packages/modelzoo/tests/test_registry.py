@@ -29,7 +29,7 @@ def test_exact_card_counts():
         Category.EMBEDDING: 12,
     }
     full = registry.list(status="full")
-    assert len(full) == 48
+    assert len(full) == 58
     assert all(c.convert is not None and c.example is not None and c.tiny for c in full)
 
 

@@ -177,6 +177,7 @@ def convert(
         manifest["output_shape"] = list(reference.shape)
         manifest["max_abs_diff_vs_eager"] = max_diff
     else:
+        from safetensors import safe_open
         from safetensors.torch import save_file
 
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -189,6 +190,11 @@ def convert(
             else:
                 seen[ptr] = key
         artefact = _atomic_target(out / "model.safetensors", lambda p: save_file(state, str(p)))
+        with safe_open(str(artefact), framework="pt") as f:
+            # The header must list every tensor with its shape: a cheap check of what was written.
+            written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        if written != {k: tuple(v.shape) for k, v in state.items()}:
+            raise RuntimeError(f"{card.id}: {artefact} does not hold the model's tensors")
         config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
         _atomic_target(
             out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2, default=str))

@@ -35,6 +35,7 @@ class Task(enum.StrEnum):
     """Which inference example a full card runs (see :mod:`modelzoo.examples`)."""
 
     TEXT_GENERATION = "text-generation"
+    IMAGE_TEXT_GENERATION = "image-text-generation"
     EMBEDDING = "embedding"
     RERANK_LM = "rerank-lm"
     RERANK_CROSS_ENCODER = "rerank-cross-encoder"

@@ -15,6 +15,7 @@ from modelzoo.schema import ModelCard, Task
 
 _EXAMPLES: dict[Task, str] = {
     Task.TEXT_GENERATION: "modelzoo.examples.text:TextGeneration",
+    Task.IMAGE_TEXT_GENERATION: "modelzoo.examples.vision:VisionLanguage",
     Task.RERANK_LM: "modelzoo.examples.text:RerankLM",
     Task.EMBEDDING: "modelzoo.examples.embed:Embedding",
     Task.RERANK_CROSS_ENCODER: "modelzoo.examples.embed:CrossEncoder",
