@@ -137,3 +137,17 @@ def test_matmul_reshape_bias_refuses_bias_along_reshaped_dim():
     record = apply(gm, "matmul_reshape_bias")
     assert "varies along reshaped dims" in record.refused("matmul_reshape_bias")[0].reason
     torch.testing.assert_close(gm(x, w, b), fn(x, w, b))
+
+
+def test_matmul_reshape_bias_with_symbolic_batch():
+    """With dynamic shapes the reshape keeps its symbolic sizes and works for other batches."""
+    x, w, b = _randn(torch.float32, (6, 16), (16, 12), (12,))
+
+    def fn(x, w, b):
+        return (x @ w).view(x.shape[0] // 3, 3, 12) + b
+
+    gm = trace(fn, x, w, b, mode="symbolic")
+    record = apply(gm, "matmul_reshape_bias")
+    assert record.rewritten("matmul_reshape_bias") == 1
+    x9 = torch.randn(9, 16)
+    torch.testing.assert_close(gm(x9, w, b), fn(x9, w, b))

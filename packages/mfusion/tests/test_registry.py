@@ -50,3 +50,11 @@ def test_emit_refuses_ops_inductor_cannot_lower():
     x.meta["val"] = torch.empty(2)
     with pytest.raises(ValueError, match="no Inductor lowering"):
         emit(graph, torch.ops.aten.gelu.default, x)
+
+
+def test_auto_backend_resolves_to_inductor_without_npu():
+    from mfusion import MFusionConfig
+    from mfusion.backends.npu import NPUBackend
+
+    expected = "npu" if NPUBackend.is_available() else "inductor"
+    assert MFusionConfig().resolved_backend() == expected
