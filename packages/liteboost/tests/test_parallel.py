@@ -29,6 +29,15 @@ def _vae_frame_counts() -> list[int]:
     return [1, 5, decoder_receptive_field(build_tiny_vae()) + 3]
 
 
+# Encode: 1 frame and 3 latent frames. Longer clips, where a rank's window starts past frame 0,
+# cost minutes per encode on the test machine (the encoder's receptive field is 21 latents).
+ENCODE_FRAMES = [1, 9]
+
+
+def _pixels(frames: int) -> torch.Tensor:
+    return torch.rand(1, 3, frames, 16, 16, generator=torch.Generator().manual_seed(frames)) * 2 - 1
+
+
 def _vae_latents(frames: int) -> torch.Tensor:
     return torch.randn(1, 4, frames, 2, 2, generator=torch.Generator().manual_seed(frames))
 
@@ -66,6 +75,7 @@ def _ulysses_rank() -> dict:
     with liteboost.ParallelManager(vae) as manager:
         out["vae_parallelized"] = manager.parallelized
         out["vae"] = {t: vae.decode(_vae_latents(t)).sample for t in _vae_frame_counts()}
+        out["encode"] = {t: vae.encode(_pixels(t)).latent_dist.mean for t in ENCODE_FRAMES}
     return out
 
 
@@ -76,10 +86,17 @@ def _vae_reference() -> dict:
     return {t: vae.decode(_vae_latents(t)).sample for t in _vae_frame_counts()}
 
 
+@functools.cache
+@torch.no_grad()
+def _encode_reference() -> dict:
+    vae = build_tiny_vae()
+    return {t: vae.encode(_pixels(t)).latent_dist.mean for t in ENCODE_FRAMES}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_and_vae_parallel_equal_single_process(world):
-    """Dense, boosted and sparse Ulysses (uneven sequence; 2 heads on 3 ranks) and VAE decode."""
+    """Ulysses (dense, boosted, sparse; uneven sequence; 2 heads on 3 ranks), VAE decode/encode."""
     results = launch(_ulysses_rank, world, timeout=280)
     for rank, res in enumerate(results):
         for grid in GRIDS:
@@ -92,6 +109,8 @@ def test_ulysses_and_vae_parallel_equal_single_process(world):
             decoded = res["vae"][frames]
             assert decoded.shape == reference.shape, (rank, frames)
             assert torch.equal(decoded, reference), (rank, frames)
+        for frames, reference in _encode_reference().items():
+            assert torch.equal(res["encode"][frames], reference), (rank, frames)
     refusal = results[0]["refusal"]
     if world == 3:
         assert refusal is not None and "ulysses_degree=3" in refusal and "[1]" in refusal
@@ -104,7 +123,7 @@ def test_vae_parallel_on_one_rank_is_a_no_op():
     vae = build_tiny_vae()
     with liteboost.ParallelManager(vae, vae_parallel=True) as manager:
         assert manager.parallelized == []
-        assert "decode" not in vae.__dict__
+        assert "decode" not in vae.__dict__ and "encode" not in vae.__dict__
 
 
 def test_vae_spans_cover_every_frame_once():

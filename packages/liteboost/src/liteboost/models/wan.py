@@ -211,26 +211,34 @@ class _VaeHandle:
 
     def remove(self) -> None:
         del self.vae.decode
+        del self.vae.encode
 
 
 @register_parallel("AutoencoderKLWan")
 def parallelize_wan_vae(vae, config) -> _VaeHandle | None:
-    """Temporal DP decode over ``config.group``; None when disabled or on one rank."""
+    """Temporal DP decode and encode over ``config.group_for_vae``; None when off or on one rank."""
     if not config.vae_parallel or config.world_size <= 1:
         return None
+    from diffusers.models.autoencoders.vae import DecoderOutput, DiagonalGaussianDistribution
+    from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
     stock_decode = type(vae).decode.__get__(vae)
+    stock_encode = type(vae).encode.__get__(vae)
     group, field_override = config.group_for_vae, config.vae_receptive_field
 
     def decode(z: torch.Tensor, return_dict: bool = True):
         frames = vae_dp.parallel_decode(
             vae, z, lambda x: stock_decode(x).sample, group, field_override
         )
-        if not return_dict:
-            return (frames,)
-        from diffusers.models.autoencoders.vae import DecoderOutput
+        return DecoderOutput(sample=frames) if return_dict else (frames,)
 
-        return DecoderOutput(sample=frames)
+    def encode(x: torch.Tensor, return_dict: bool = True):
+        moments = vae_dp.parallel_encode(
+            vae, x, lambda v: stock_encode(v).latent_dist.parameters, group, field_override
+        )
+        posterior = DiagonalGaussianDistribution(moments)
+        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
-    # An instance attribute shadows the class method for this VAE only; remove() deletes it.
-    vae.decode = decode
+    # Instance attributes shadow the class methods for this VAE only; remove() deletes them.
+    vae.decode, vae.encode = decode, encode
     return _VaeHandle(vae)

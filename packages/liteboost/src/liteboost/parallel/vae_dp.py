@@ -1,4 +1,4 @@
-"""Temporal data parallelism for AutoencoderKLWan decode: each rank decodes a span of frames.
+"""Temporal data parallelism for AutoencoderKLWan decode and encode: one span of frames per rank.
 
 Wan's decoder is causal in time: it decodes one latent frame at a time and each causal
 convolution keeps the last two frames of its input. Latent frame t therefore depends on at most
@@ -11,6 +11,10 @@ it keeps are all past the receptive field of that special case.
 
 The exchange uses equal-size all_gather (gloo refuses uneven sizes): every rank pads its frames
 to the largest span and the padding is cut after the gather.
+
+Encode is the mirror image: Wan encodes frame 0 alone, then chunks of 4 frames, one latent frame
+per chunk. A rank owning latent frames [a, b) encodes from pixel frame 4 * (a - R_enc), which
+the encoder treats as a lone first frame, after which its chunks line up with the global ones.
 
 Honest limit: R grows with decoder depth (about 30 latent frames for the tiny test VAE, more for
 Wan2.1), so a speed-up needs clips much longer than R per rank; shorter clips are still correct,
@@ -53,6 +57,32 @@ def decoder_receptive_field(vae) -> int:
             if id(module) in upsample_convs:
                 scale *= 2
     # +1 covers the second window frame, whose upsampler history is zeros instead of frame 0.
+    return math.ceil(field) + 1
+
+
+def encoder_receptive_field(vae) -> int:
+    """Latent frames (4-frame chunks) before t that can influence latent t in an encode.
+
+    Every causal convolution with history h at temporal downsampling s spans h * s pixel
+    frames, i.e. h * s / 4 chunks; a 3-D downsampler (history: its cached frame plus its own
+    stride-2 kernel, counted as 2) halves the frame rate after it.
+    """
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResample
+
+    down_convs = {
+        id(m.time_conv)
+        for m in vae.encoder.modules()
+        if isinstance(m, WanResample) and m.mode == "downsample3d"
+    }
+    chunk = 2 ** sum(bool(x) for x in vae.config.temperal_downsample)
+    scale, field = 1, 0.0
+    for module in vae.encoder.modules():
+        if isinstance(module, WanCausalConv3d):
+            if id(module) in down_convs:
+                field += 2 * scale / chunk
+                scale *= 2
+            else:
+                field += module._padding[4] * scale / chunk
     return math.ceil(field) + 1
 
 
@@ -122,4 +152,34 @@ def parallel_decode(
         # No frames here, but the gather still needs a tensor of the right shape and dtype.
         probe = decode_fn(z[:, :, :1])
         local = probe[:, :, :0]
+    return _gather_frames(local, counts, group)
+
+
+def parallel_encode(
+    vae, x: torch.Tensor, encode_fn, group=None, receptive_field: int | None = None
+):
+    """Encode video ``x`` [B, 3, T, H, W] across ranks; every rank gets the full moments.
+
+    Args:
+        vae: the AutoencoderKLWan.
+        x: pixels, identical on every rank; T = 1 + 4k as Wan expects.
+        encode_fn: the single-process encode to moments, ``encode_fn(x) -> [B, 2 z, T_lat, h, w]``.
+        group: process group (None = default).
+        receptive_field: override of :func:`encoder_receptive_field`.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    field = encoder_receptive_field(vae) if receptive_field is None else receptive_field
+    factor = temporal_factor(vae)
+    latents = 1 + (x.shape[2] - 1) // factor
+    spans = plan_spans(latents, world, field)
+    counts = [s.stop - s.start for s in spans]
+    mine = spans[rank]
+    if mine.stop > mine.start:
+        # Window from pixel frame factor * window: encoded as a lone first frame, then chunks
+        # aligned with the global ones (local latent j is global latent window + j).
+        first = factor * mine.window
+        moments = encode_fn(x[:, :, first : 1 + factor * (mine.stop - 1)])
+        local = moments[:, :, mine.start - mine.window : mine.stop - mine.window]
+    else:
+        local = encode_fn(x[:, :, :1])[:, :, :0]
     return _gather_frames(local, counts, group)
