@@ -8,7 +8,7 @@ import pytest
 import torch
 
 
-def structured_qkv(grid, heads=2, dim=16, batch=1, seed=0, text_len=0):
+def structured_qkv(grid, heads=2, dim=12, batch=1, seed=0, text_len=0):
     """Q/K/V whose attention is spatially local, like trained video DiTs (not random Gaussians).
 
     Each token's query and key are a smooth function of its (frame, row, col) position plus a
