@@ -23,7 +23,9 @@ from modelzoo.table import render_markdown, update_readme
 from modelzoo.validate import CardError
 
 app = typer.Typer(
-    help="Model cards for 100 current models; convert and run the 'full' ones (tiny offline).",
+    help="Model cards for 100 current models; convert and run the 'full' ones.\n\n"
+    "Start with `modelzoo list --status full`, then `modelzoo run qwen3-0.6b --tiny` (random "
+    "weights, offline) or `--path DIR` for weights you downloaded. Nothing is ever fetched.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -121,7 +123,11 @@ def convert(
         bool, typer.Option(help="Allow hub code (never implied).")
     ] = False,
 ) -> None:
-    """Convert a full card's model (torch.export .pt2 or safetensors) and write a manifest."""
+    """Convert a full card's model (torch.export .pt2 or safetensors) and write a manifest.
+
+    The exported program is checked against eager on the example inputs and on a second shape
+    before it is written, e.g. `modelzoo convert qwen3-8b --tiny --out out/qwen3`.
+    """
     from modelzoo.build import LibraryMissingError
     from modelzoo.convert import convert as run_convert
 
@@ -166,7 +172,11 @@ def run(
         bool, typer.Option(help="Allow hub code (never implied).")
     ] = False,
 ) -> None:
-    """Run a full card's inference example and print its result as JSON."""
+    """Run a full card's inference example and print its result as JSON.
+
+    e.g. `modelzoo run wan2.1-t2v-1.3b --tiny --nproc 2` (liteboost Ulysses over 2 ranks) or
+    `modelzoo run qwen3-8b --path ./Qwen3-8B --prompt "Hello"` (real weights, local files only).
+    """
     card = _card(name)
     kwargs = {
         "tiny": tiny,

@@ -99,7 +99,7 @@ class ExampleConfig(_Strict):
     """Inputs of the tiny inference example."""
 
     task: Task = Field(description="Which example to run.")
-    seq_len: int = Field(8, ge=1, description="Prompt length in tokens (or frames of latents).")
+    seq_len: int = Field(8, ge=1, description="Prompt (or decoder prompt) length in tokens.")
     new_tokens: int = Field(4, ge=0, description="Tokens to generate greedily.")
     steps: int = Field(2, ge=1, description="Denoising steps for diffusion models.")
     latent_shape: list[int] = Field(
