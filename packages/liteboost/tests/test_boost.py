@@ -27,7 +27,7 @@ def test_boost_at_sparsity_zero_equals_stock_model():
 
 
 def test_sparse_boost_uses_the_plan_of_the_op():
-    """Sparse self-attention inside the model: flex and the reference kernel agree.
+    """Sparse self-attention inside the model: gather, flex and the reference kernel agree.
 
     216 tokens in blocks of 16: the last block is partial (the kernel bounds the tail itself).
     Same attention shape as test_sparse_attention.py, so the compiled kernel is shared.
@@ -39,7 +39,10 @@ def test_sparse_boost_uses_the_plan_of_the_op():
     stock = _run(model, inputs)
     with liteboost.BoostManager(model, sparsity=0.5, block_size=16, sparse_kernel="flex"):
         flex = _run(model, inputs)
+    with liteboost.BoostManager(model, sparsity=0.5, block_size=16):  # CPU default: gather
+        gather = _run(model, inputs)
     torch.testing.assert_close(flex, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gather, ref, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(ref, stock, atol=1e-6), "sparsity 0.5 must skip some blocks"
 
 

@@ -1,7 +1,8 @@
 """Block-sparse attention: kernels match the dense-mask reference; selection keeps what it must.
 
 FlexAttention compiles once per shape (8-35 s on CPU), so every flex test here uses the one
-shape (batch 2, 2 heads, ``GRID`` tokens, head dim 12); the compiled kernel is reused.
+shape (batch 2, 2 heads, ``GRID`` tokens, head dim 12); the compiled kernel is reused. The
+block-gather kernel compiles nothing and is tested on odd shapes as well.
 """
 
 import math
@@ -11,7 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from liteboost.ops import plan_sparse_attention, rain_fusion_attention, sparse_attention, tiling
-from liteboost.ops.rain_fusion import block_index_to_dense, reference_block_sparse_attention
+from liteboost.ops.block_gather import gather_block_sparse_attention
+from liteboost.ops.rain_fusion import (
+    SparseKernel,
+    block_index_to_dense,
+    default_kernel,
+    reference_block_sparse_attention,
+)
 
 # 216 tokens: 14 blocks of 16, the last one partial (8 tokens); frame 0 = 72 tokens, in blocks 0-4.
 # test_boost.py runs the tiny Wan on the same shape, so one compiled kernel serves both files.
@@ -36,6 +43,55 @@ def test_flex_kernel_matches_reference_with_ragged_rows(qkv_factory):
     flex = rain_fusion_attention(q, k, v, index, block_size=BLOCK, kernel="flex")
     ref = rain_fusion_attention(q, k, v, index, block_size=BLOCK, kernel="reference")
     torch.testing.assert_close(flex, ref, atol=2e-5, rtol=1e-4)
+
+
+def _shuffled(index, gen):
+    """The same kept blocks with the -1 padding moved to random positions in each row."""
+    order = torch.rand(index.shape, generator=gen).argsort(-1)
+    return index.gather(-1, order)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30], ids=["many-chunks", "one-chunk"])
+def test_gather_kernel_matches_reference_with_ragged_rows(qkv_factory, chunk_bytes):
+    """Rows keep 1..nk blocks, padding anywhere in the row, partial last block, chunk edges."""
+    q, k, v = qkv_factory(GRID, heads=2, batch=2)
+    gen = torch.Generator().manual_seed(1)
+    index = _shuffled(_random_block_index(2, 2, NB, NB, gen), gen)
+    out = gather_block_sparse_attention(q, k, v, index, BLOCK, chunk_bytes=chunk_bytes)
+    ref = reference_block_sparse_attention(q, k, v, index, BLOCK)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_gather_kernel_with_more_keys_than_queries_and_bf16():
+    """Sq != Sk (both partial tails), bf16, explicit scale: the fp32 reference agrees."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 3, 40, 8, generator=gen)
+    k, v = (torch.randn(1, 3, 70, 8, generator=gen) for _ in range(2))
+    index = _shuffled(_random_block_index(1, 3, 3, 5, gen), gen)
+    ref = reference_block_sparse_attention(q, k, v, index, 16, scale=0.2)
+    out = rain_fusion_attention(
+        *(t.bfloat16() for t in (q, k, v)), index, block_size=16, scale=0.2, kernel="gather"
+    )
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_gather_kernel_gives_zeros_for_rows_without_blocks_and_checks_heads():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 32, 4, generator=gen) for _ in range(3))
+    index = torch.tensor([[[[1, -1], [-1, -1]]]])
+    out = gather_block_sparse_attention(q, k, v, index, 16)
+    assert torch.equal(out[..., 16:, :], torch.zeros(1, 1, 16, 4))
+    torch.testing.assert_close(
+        out[..., :16, :],
+        F.scaled_dot_product_attention(q[..., :16, :], k[..., 16:, :], v[..., 16:, :]),
+    )
+    with pytest.raises(ValueError, match="share batch and head counts"):
+        gather_block_sparse_attention(q, k.expand(1, 2, 32, 4), v, index, 16)
+
+
+def test_default_kernel_is_gather_on_cpu():
+    assert default_kernel(torch.device("cpu")) is SparseKernel.GATHER
 
 
 def test_reference_kernel_is_masked_sdpa_on_a_partial_tail_block():
@@ -74,13 +130,14 @@ def test_sparsity_zero_is_dense_attention(qkv_factory):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
 
 
-def test_keeping_every_block_equals_dense(qkv_factory):
-    """The sparse path itself (tile, flex, untile) is exact when nothing is dropped."""
+@pytest.mark.parametrize("kernel", ["gather", "flex"])
+def test_keeping_every_block_equals_dense(qkv_factory, kernel):
+    """The sparse path itself (tile, kernel, untile) is exact when nothing is dropped."""
     q, k, v = qkv_factory(GRID, batch=2)
     plan = plan_sparse_attention(q, k, latent_shape=GRID, sparsity=0.01, block_size=BLOCK)
     assert plan.keep == math.ceil(q.shape[2] / BLOCK)
     out = sparse_attention(
-        q, k, v, latent_shape=GRID, sparsity=0.01, block_size=BLOCK, kernel="flex"
+        q, k, v, latent_shape=GRID, sparsity=0.01, block_size=BLOCK, kernel=kernel
     )
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=2e-5, rtol=1e-4)
 
