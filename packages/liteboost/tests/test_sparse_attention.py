@@ -62,6 +62,25 @@ def test_gather_kernel_matches_reference_with_ragged_rows(qkv_factory, chunk_byt
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_kernel_merges_blocks_every_row_keeps(qkv_factory, dtype):
+    """Blocks listed in every row (a sink and the partial tail block) are attended once by all
+    queries and merged by log-sum-exp; some rows keep nothing else."""
+    q, k, v = qkv_factory(GRID, heads=2, batch=2)
+    gen = torch.Generator().manual_seed(6)
+    others = _random_block_index(2, 2, NB, NB - 2, gen) + 1  # ids 1..12, -1 stays 0
+    others = torch.where(others > 0, others, -1)
+    others[..., 3, :] = -1  # this row keeps only the shared blocks
+    shared = torch.tensor([0, NB - 1], dtype=torch.int32).expand(2, 2, NB, 2)
+    index = _shuffled(torch.cat([shared, others], dim=-1), gen)
+    ref = reference_block_sparse_attention(q, k, v, index, BLOCK)
+    out = gather_block_sparse_attention(
+        *(t.to(dtype) for t in (q, k, v)), index, BLOCK, chunk_bytes=1
+    )
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 def test_gather_kernel_with_more_keys_than_queries_and_bf16():
     """Sq != Sk (both partial tails), bf16, explicit scale: the fp32 reference agrees."""
     gen = torch.Generator().manual_seed(3)

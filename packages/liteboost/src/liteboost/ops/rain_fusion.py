@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from liteboost.ops.block_gather import gather_block_sparse_attention
+from liteboost.ops.block_gather import block_index_to_dense, gather_block_sparse_attention
 from npu_core._npu import import_torch_npu
 
 logger = logging.getLogger(__name__)
@@ -51,18 +51,6 @@ def to_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
 def from_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Inverse of :func:`to_bnsd`."""
     return x if layout == "BNSD" else x.transpose(1, 2)
-
-
-def block_index_to_dense(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
-    """Boolean block mask [B, N, nq, nk] from a -1 padded index list [B, N, nq, K]."""
-    valid = block_index >= 0
-    dense = torch.zeros(
-        (*block_index.shape[:-1], num_kv_blocks + 1), dtype=torch.bool, device=block_index.device
-    )
-    # Padding (-1) is routed to an extra column that is dropped afterwards.
-    target = torch.where(valid, block_index, num_kv_blocks).long()
-    dense.scatter_(-1, target, True)
-    return dense[..., :num_kv_blocks]
 
 
 def reference_block_sparse_attention(
