@@ -94,6 +94,31 @@ def select_blocks(
     return index, keep
 
 
+def _tile_layout(q, latent_shape, text_len, block_size, tile, first_frame_sink):
+    frames, height, width = latent_shape
+    video_len = frames * height * width
+    if q.shape[-2] != video_len + text_len:
+        raise ValueError(
+            f"sequence length {q.shape[-2]} != latent tokens "
+            f"{frames}*{height}*{width} + text_len {text_len} = {video_len + text_len}"
+        )
+    return tiling.tile_layout(
+        latent_shape, tile or tiling.default_tile(block_size), q.device, first_frame_sink
+    )
+
+
+def _select_tiled(qt, kt, layout, latent_shape, sparsity, block_size) -> SparsePlan:
+    index, keep = select_blocks(
+        qt,
+        kt,
+        video_len=math.prod(latent_shape),
+        first_frame_tokens=layout.first_frame_tokens,
+        sparsity=sparsity,
+        block_size=block_size,
+    )
+    return SparsePlan(layout, index, keep)
+
+
 def plan_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,25 +132,11 @@ def plan_sparse_attention(
 ) -> SparsePlan:
     """Tile layout and kept blocks for [B, N, S, D] ``q``/``k`` (untiled, BNSD)."""
     _check_sparsity(sparsity)
-    frames, height, width = latent_shape
-    video_len = frames * height * width
-    if q.shape[-2] != video_len + text_len or k.shape[-2] != video_len + text_len:
-        raise ValueError(
-            f"sequence length {q.shape[-2]} (keys {k.shape[-2]}) != latent tokens "
-            f"{frames}*{height}*{width} + text_len {text_len} = {video_len + text_len}"
-        )
-    layout = tiling.tile_layout(
-        latent_shape, tile or tiling.default_tile(block_size), q.device, first_frame_sink
-    )
-    index, keep = select_blocks(
-        tiling.reorder(q, layout, seq_dim=2),
-        tiling.reorder(k, layout, seq_dim=2),
-        video_len=video_len,
-        first_frame_tokens=layout.first_frame_tokens,
-        sparsity=sparsity,
-        block_size=block_size,
-    )
-    return SparsePlan(layout, index, keep)
+    if k.shape[-2] != q.shape[-2]:
+        raise ValueError(f"sequence length {q.shape[-2]} (keys {k.shape[-2]}) must match")
+    layout = _tile_layout(q, latent_shape, text_len, block_size, tile, first_frame_sink)
+    qt, kt = (tiling.reorder(t, layout, seq_dim=2) for t in (q, k))
+    return _select_tiled(qt, kt, layout, latent_shape, sparsity, block_size)
 
 
 def sparse_attention(
@@ -169,41 +180,12 @@ def sparse_attention(
     if sparsity == 0.0:
         return flash_attention(q, k, v, layout=layout, scale=scale)
     qb, kb, vb = (to_bnsd(t, layout) for t in (q, k, v))
-    plan = plan_sparse_attention(
-        qb,
-        kb,
-        latent_shape=latent_shape,
-        text_len=text_len,
-        sparsity=sparsity,
-        block_size=block_size,
-        tile=tile,
-        first_frame_sink=first_frame_sink,
-    )
-    return apply_sparse_plan(
-        qb, kb, vb, plan, block_size=block_size, scale=scale, kernel=kernel, layout=layout
-    )
-
-
-def apply_sparse_plan(
-    qb: torch.Tensor,
-    kb: torch.Tensor,
-    vb: torch.Tensor,
-    plan: SparsePlan,
-    *,
-    block_size: int,
-    scale: float | None = None,
-    kernel: SparseKernel | str | None = None,
-    layout: str = "BNSD",
-) -> torch.Tensor:
-    """Reorder BNSD inputs, run the block-sparse op with ``plan``, restore token order."""
-    qt, kt, vt = (tiling.reorder(t, plan.layout, seq_dim=2) for t in (qb, kb, vb))
+    if kb.shape[-2] != qb.shape[-2]:
+        raise ValueError(f"sequence length {qb.shape[-2]} (keys {kb.shape[-2]}) must match")
+    tiles = _tile_layout(qb, latent_shape, text_len, block_size, tile, first_frame_sink)
+    qt, kt, vt = (tiling.reorder(t, tiles, seq_dim=2) for t in (qb, kb, vb))
+    plan = _select_tiled(qt, kt, tiles, latent_shape, sparsity, block_size)
     out = rain_fusion_attention(
-        qt.contiguous(),
-        kt.contiguous(),
-        vt.contiguous(),
-        plan.block_index,
-        block_size=block_size,
-        scale=scale,
-        kernel=kernel,
+        qt, kt, vt, plan.block_index, block_size=block_size, scale=scale, kernel=kernel
     )
-    return from_bnsd(tiling.restore(out, plan.layout, seq_dim=2), layout)
+    return from_bnsd(tiling.restore(out, tiles, seq_dim=2), layout)
