@@ -3,14 +3,25 @@
 Measured as TorchBench does: warm-ups, interleaved repeats, medians; speedup = eager median /
 compiled median; an accuracy gate against eager fp32; compile time and fusions applied.
 
+Noise control. One forward of these models takes 1-5 ms, so a single call per sample is at the
+mercy of every scheduler tick. Each sample therefore times a batch of calls (calibrated to about
+``--sample-ms``), rounds alternate the order of the two sides, the ratio is the median of
+per-round ratios, the garbage collector is paused while timing, and the torch thread count is
+fixed (one by default: on a shared 2-core machine a second OpenMP thread mostly measures the
+neighbours). An A/A control row compiles the model a second time through the same mfusion
+options path with every pass off: its graph is identical to plain Inductor's but it is compiled
+and loaded separately, so its ratio is the noise floor of the run (it should be 1.00).
+
     python packages/mfusion/benchmarks/model_speedup.py --out bench-results/mfusion
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +67,40 @@ def _accurate(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
     return bool(torch.isfinite(out).all()) and (out - ref).abs().max().item() <= tol * scale
 
 
+def _batched(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run
+
+
+def _calls_per_sample(fn: Callable[[], object], sample_ms: float) -> int:
+    """How many calls of ``fn`` fill about ``sample_ms`` (after a short warm-up)."""
+    probe = measure(fn, warmup=3, repeats=5)
+    return max(1, round(sample_ms * 1e-3 / probe.median))
+
+
+def _compare(baseline, candidate, calls: int, args: argparse.Namespace):
+    """Interleaved rounds of batched calls with the collector paused; see the module docstring."""
+    gc.collect()
+    gc.disable()
+    try:
+        return compare(
+            _batched(baseline, calls),
+            _batched(candidate, calls),
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
+    finally:
+        gc.enable()
+
+
+def _quartiles(values: tuple[float, ...]) -> tuple[float, float]:
+    p25, _, p75 = statistics.quantiles(values, n=4, method="inclusive")
+    return p25, p75
+
+
 def _compile(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     out = fn()
@@ -69,31 +114,40 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
     model.eval()
     with torch.no_grad():
         reference = model(*inputs)
-        # Both variants go through the same options path; only the post-grad pass differs.
+        # All variants go through the same options path; only the post-grad pass differs. The
+        # control runs the mfusion pass manager with nothing enabled: same graph as plain.
         plain = torch.compile(model, options={"post_grad_custom_post_pass": None})
+        control = torch.compile(
+            model, options=mfusion.compile_options(backend=args.backend, passes=(), auto_fuse=False)
+        )
         fused = torch.compile(model, options=mfusion.compile_options(backend=args.backend))
         out_plain, compile_plain = _compile(lambda: plain(*inputs))
+        control(*inputs)
         mfusion.clear_report()
         out_fused, compile_fused = _compile(lambda: fused(*inputs))
         report = mfusion.report()
-        eager = measure(lambda: model(*inputs), warmup=args.warmup, repeats=args.repeats)
-        comparison = compare(
-            lambda: plain(*inputs), lambda: fused(*inputs), warmup=args.warmup, repeats=args.repeats
-        )
+        calls = _calls_per_sample(lambda: plain(*inputs), args.sample_ms)
+        eager = measure(_batched(lambda: model(*inputs), calls), warmup=1, repeats=args.repeats)
+        a_a = _compare(lambda: plain(*inputs), lambda: control(*inputs), calls, args)
+        comparison = _compare(lambda: plain(*inputs), lambda: fused(*inputs), calls, args)
     accurate = _accurate(out_plain, reference, args.tol) and _accurate(
         out_fused, reference, args.tol
     )
     return {
         "model": name,
         "transformer": is_transformer,
-        "eager ms": eager.median * 1e3,
-        "inductor ms": comparison.baseline.median * 1e3,
-        "mfusion ms": comparison.candidate.median * 1e3,
+        "eager ms": eager.median / calls * 1e3,
+        "inductor ms": comparison.baseline.median / calls * 1e3,
+        "mfusion ms": comparison.candidate.median / calls * 1e3,
         "inductor speedup": eager.median / comparison.baseline.median,
         "mfusion speedup": eager.median / comparison.candidate.median,
         # Median of per-round ratios: both sides of a round share the machine's load, so this
         # is far steadier than a ratio of medians on a busy machine.
         "mfusion / inductor": comparison.ratio_median,
+        # Interquartile range of the per-round ratios: how far one round strays.
+        "ratio p25-p75": "{:.3f}-{:.3f}".format(*_quartiles(comparison.ratios)),
+        "A/A control": a_a.ratio_median,
+        "calls/sample": calls,
         "compile s (inductor)": compile_plain,
         "compile s (mfusion)": compile_fused,
         "graphs": len(report),
@@ -109,15 +163,19 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for model_speedup.{json,md}")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--backend", default="inductor", help="mfusion backend (default inductor)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=21, help="interleaved rounds per model")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
+    parser.add_argument("--repeats", type=int, default=25, help="interleaved rounds per model")
+    parser.add_argument(
+        "--sample-ms", type=float, default=40.0, help="target duration of one timed sample"
+    )
     parser.add_argument(
         "--tol", type=float, default=1e-3, help="accuracy gate: max abs error / scale"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
 
     columns = [
         "model",
@@ -127,6 +185,8 @@ def main() -> None:
         "inductor speedup",
         "mfusion speedup",
         "mfusion / inductor",
+        "ratio p25-p75",
+        "A/A control",
         "compile s (inductor)",
         "compile s (mfusion)",
         "fusions",
@@ -138,7 +198,8 @@ def main() -> None:
         row = run_model(name, args)
         rows.append(row)
         print(
-            f"    mfusion/inductor {row['mfusion / inductor']:.3f}x, fusions {row['fusions']}, "
+            f"    mfusion/inductor {row['mfusion / inductor']:.3f}x "
+            f"(A/A {row['A/A control']:.3f}x), fusions {row['fusions']}, "
             f"accuracy {row['accuracy']}",
             flush=True,
         )
@@ -149,6 +210,11 @@ def main() -> None:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
+        "sample ms": args.sample_ms,
+        "A/A control range": [
+            min(r["A/A control"] for r in rows),
+            max(r["A/A control"] for r in rows),
+        ],
         "geomean mfusion/inductor (transformers)": geomean,
         "min mfusion/inductor": min(r["mfusion / inductor"] for r in rows),
         "all accurate": all(r["accuracy"] == "pass" for r in rows),

@@ -1,0 +1,104 @@
+"""Patch convolution: non-overlapping (ViT) and single-channel (speech) convolutions as a GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import apply, count, tolerance, trace
+from torch.nn import functional as F
+
+import mfusion
+
+aten = torch.ops.aten
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(dtype, *shapes):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def _conv(**kwargs):
+    return lambda x, w, b: F.conv2d(x, w, b, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vit_patch_embedding_becomes_one_gemm(dtype):
+    """8x8 patches with stride 8 over RGB, bias, ragged border (66 rows): one addmm, same values."""
+    x, w, b = _randn(dtype, (2, 3, 66, 64), (16, 3, 8, 8), (16,))
+    fn = _conv(stride=8)
+    gm = trace(fn, x, w, b)
+    record = apply(gm, "patch_conv")
+    assert record.rewritten("patch_conv") == 1
+    assert count(gm, aten.convolution.default) == 0 and count(gm, aten.addmm.default) == 1
+    out = gm(x, w, b)
+    assert out.shape == (2, 16, 8, 8)
+    torch.testing.assert_close(out, fn(x, w, b), **tolerance(dtype) | {"atol": 5e-2})
+    # What a ViT does next: flatten the grid and put tokens first.
+    torch.testing.assert_close(
+        out.flatten(2).transpose(1, 2), fn(x, w, b).flatten(2).transpose(1, 2), atol=5e-2, rtol=0
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_channel_overlapping_windows_become_one_gemm(dtype):
+    """A speech front end: 3x3 windows with stride 2 over one channel, no bias, odd sizes."""
+    x, w = _randn(dtype, (2, 1, 41, 17), (8, 1, 3, 3))
+    fn = lambda x, w: F.conv2d(x, w, None, stride=2)  # noqa: E731
+    gm = trace(fn, x, w)
+    record = apply(gm, "patch_conv")
+    assert record.rewritten("patch_conv") == 1
+    assert count(gm, aten.convolution.default) == 0 and count(gm, aten.mm.default) == 1
+    torch.testing.assert_close(gm(x, w), fn(x, w), **tolerance(dtype) | {"atol": 5e-2})
+
+
+@pytest.mark.parametrize(
+    ("shapes", "kwargs", "reason"),
+    [
+        (((1, 3, 16, 16), (4, 3, 3, 3), (4,)), {"stride": 2}, "overlapping"),
+        (((1, 3, 16, 16), (4, 3, 4, 4), (4,)), {"stride": 4, "padding": 1}, "padding"),
+        (((1, 1, 16, 16), (4, 1, 3, 3), (4,)), {"stride": 1, "dilation": 2}, "dilation"),
+        (((1, 4, 16, 16), (4, 2, 4, 4), (4,)), {"stride": 4, "groups": 2}, "groups=2"),
+        (((1, 1, 16, 16), (4, 1, 2, 2), (4,)), {"stride": 3}, "skip pixels"),
+    ],
+)
+def test_refuses_convolutions_that_are_not_cheap_patches(shapes, kwargs, reason):
+    x, w, b = _randn(torch.float32, *shapes)
+    gm = trace(_conv(**kwargs), x, w, b)
+    record = apply(gm, "patch_conv")
+    assert record.rewritten("patch_conv") == 0
+    assert reason in record.refused("patch_conv")[0].reason
+    assert count(gm, aten.convolution.default) == 1
+
+
+def test_transposed_and_1d_convolutions_untouched():
+    x, w = _randn(torch.float32, (1, 4, 5, 5), (4, 2, 2, 2))
+    record = apply(trace(lambda x, w: F.conv_transpose2d(x, w, stride=2), x, w), "patch_conv")
+    assert "transposed=True" in record.refused("patch_conv")[0].reason
+    x1, w1 = _randn(torch.float32, (1, 2, 16), (4, 2, 4))
+    record = apply(trace(lambda x, w: F.conv1d(x, w, stride=4), x1, w1), "patch_conv")
+    assert record.rewritten("patch_conv") == 0 and not record.refused("patch_conv")
+
+
+def test_compiled_patch_embedding_matches_eager():
+    """Through torch.compile: Inductor lowers the emitted unfold/permute/addmm and the permuted
+    NCHW view feeds flatten + transpose + LayerNorm like in a ViT."""
+
+    class PatchEmbed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Conv2d(3, 32, 8, 8)
+            self.norm = torch.nn.LayerNorm(32)
+
+        def forward(self, images):
+            return self.norm(self.proj(images).flatten(2).transpose(1, 2))
+
+    torch.manual_seed(0)
+    model, x = PatchEmbed().eval(), torch.randn(2, 3, 32, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        opts = mfusion.compile_options(backend="inductor", passes=["patch_conv"], auto_fuse=False)
+        out = torch.compile(model, options=opts)(x)
+        ref = model(x)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert mfusion.report().rewritten("patch_conv") == 1
