@@ -51,6 +51,28 @@ def tiny_inputs(grid=(3, 4, 4), batch=1, seed=0):
     return {"hidden_states": hidden, "timestep": timestep, "encoder_hidden_states": text}
 
 
+# Tiny Wan2.1 I2V: image tokens (CLIP features, here 8-dim) attended by an extra K/V projection.
+TINY_I2V = {"image_dim": 8, "added_kv_proj_dim": 24}
+
+
+def tiny_variant_inputs(variant: str, grid=(3, 4, 4), batch=2, seed=0):
+    """Inputs for the other Wan entry points on the tiny transformer.
+
+    "i2v": Wan2.1 I2V: 4 image tokens before the text, and the 512 text tokens diffusers'
+    processor assumes when it splits them apart. "ti2v": Wan2.2 TI2V: one timestep per token.
+    """
+    inputs = tiny_inputs(grid, batch=batch, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if variant == "i2v":
+        inputs["encoder_hidden_states"] = torch.randn(batch, 512, 16, generator=gen)
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, 8, generator=gen)
+    elif variant == "ti2v":
+        inputs["timestep"] = torch.randint(0, 1000, (batch, math.prod(grid)), generator=gen)
+    else:
+        raise ValueError(f"variant={variant!r}; use 'i2v' or 'ti2v'")
+    return inputs
+
+
 @pytest.fixture
 def qkv_factory():
     return structured_qkv

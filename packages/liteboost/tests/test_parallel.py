@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_inputs
+from conftest import TINY_I2V, tiny_inputs, tiny_variant_inputs
 
 import liteboost
 from liteboost.parallel.vae_dp import decoder_receptive_field, plan_spans
@@ -65,6 +65,13 @@ def _ulysses_rank() -> dict:
         with liteboost.ParallelManager(model):
             sparse_parallel = model(**inputs).sample
     out["sparse"] = (sparse_parallel - sparse).abs().max().item()
+    for variant in ("i2v", "ti2v"):  # image K/V branch, per-token timestep (uneven: 35 tokens)
+        variant_model = build_tiny_transformer(**(TINY_I2V if variant == "i2v" else {}))
+        inputs = tiny_variant_inputs(variant, grid=GRIDS[1])
+        stock = variant_model(**inputs).sample
+        with liteboost.ParallelManager(variant_model):
+            parallel = variant_model(**inputs).sample
+        out[variant] = (parallel - stock).abs().max().item()
     try:
         liteboost.ParallelManager(model, pad_heads=False)
         out["refusal"] = None
@@ -96,13 +103,14 @@ def _encode_reference() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_and_vae_parallel_equal_single_process(world):
-    """Ulysses (dense, boosted, sparse; uneven sequence; 2 heads on 3 ranks), VAE decode/encode."""
+    """Ulysses (dense, boosted, sparse, I2V, TI2V; uneven sequence; 2 heads on 3 ranks), VAE."""
     results = launch(_ulysses_rank, world, timeout=280)
     for rank, res in enumerate(results):
         for grid in GRIDS:
             assert res[f"dense{grid}"] < 1e-5, (rank, grid, res)
             assert res[f"boosted{grid}"] < 1e-5, (rank, grid, res)
         assert res["sparse"] < 1e-5, (rank, res)
+        assert res["i2v"] < 1e-5 and res["ti2v"] < 1e-5, (rank, res)
         assert res["seed"] == 1000, "every rank must use rank 0's seed"
         assert res["vae_parallelized"] == ["model"]
         for frames, reference in _vae_reference().items():
