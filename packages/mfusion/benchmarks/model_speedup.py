@@ -164,9 +164,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--backend", default="inductor", help="mfusion backend (default inductor)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
-    parser.add_argument("--repeats", type=int, default=25, help="interleaved rounds per model")
+    parser.add_argument("--repeats", type=int, default=41, help="interleaved rounds per model")
     parser.add_argument(
-        "--sample-ms", type=float, default=40.0, help="target duration of one timed sample"
+        "--sample-ms", type=float, default=30.0, help="target duration of one timed sample"
     )
     parser.add_argument(
         "--tol", type=float, default=1e-3, help="accuracy gate: max abs error / scale"
