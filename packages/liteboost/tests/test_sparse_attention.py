@@ -81,6 +81,21 @@ def test_gather_kernel_merges_blocks_every_row_keeps(qkv_factory, dtype):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+def test_gather_kernel_gradients_match_reference(qkv_factory):
+    """Backward through packing equals the reference (a block every row keeps is packed too)."""
+    gen = torch.Generator().manual_seed(7)
+    index = _shuffled(_random_block_index(1, 2, NB, NB, gen), gen)
+    index[..., 0] = 0  # kept by every row: the (inference-only) shared split must step aside
+    index = torch.where((index == 0) & (torch.arange(NB) > 0), -1, index)
+    grads = []
+    for kernel in (gather_block_sparse_attention, reference_block_sparse_attention):
+        q, k, v = (t.clone().requires_grad_() for t in qkv_factory(GRID))
+        kernel(q, k, v, index, BLOCK).square().sum().backward()
+        grads.append([t.grad for t in (q, k, v)])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_gather_kernel_with_more_keys_than_queries_and_bf16():
     """Sq != Sk (both partial tails), bf16, explicit scale: the fp32 reference agrees."""
     gen = torch.Generator().manual_seed(3)

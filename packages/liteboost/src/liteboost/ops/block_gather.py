@@ -8,8 +8,10 @@ a time into reused buffers, so SDPA reads the packed blocks while they are still
 
 Key blocks that *every* query row keeps (first-frame sinks, text blocks) are not packed per row:
 on CPU they are attended once by the whole query sequence, where SDPA runs its large-tile path,
-and the two partial results are merged through their log-sum-exp. Rows that keep different
-numbers of blocks are grouped by count; a partial last key block is masked where it is gathered.
+and the two partial results are merged through their log-sum-exp. That merge is for inference;
+when autograd records, shared blocks are packed like the rest and every step is differentiable.
+Rows that keep different numbers of blocks are grouped by count; a partial last key block is
+masked where it is gathered.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ def _attend(q, k, v, bias, scale, with_lse: bool):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale), None
 
 
+def _pack(block_rows: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``ids`` of ``block_rows`` side by side, into ``buffer`` when one is given."""
+    if buffer is None:
+        return block_rows.index_select(0, ids)
+    return torch.index_select(block_rows, 0, ids, out=buffer[: ids.numel()])
+
+
 def gather_block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,7 +140,9 @@ def gather_block_sparse_attention(
     k_rows = _as_block_rows(k, nk, block_size).flatten(1)
     v_rows = _as_block_rows(v, nk, block_size).flatten(1)
     shared = _shared_blocks(block_index, nk)
-    split = q.device.type == "cpu" and bool(shared.any())
+    # torch does not differentiate the fused kernel's LSE output, so the merge is inference-only.
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    split = q.device.type == "cpu" and not needs_grad and bool(shared.any())
     if not split:
         shared = torch.zeros_like(shared)
     ids = _global_block_ids(block_index, nk, drop=shared)
@@ -146,14 +157,17 @@ def gather_block_sparse_attention(
             continue
         rows = (counts == count).nonzero().squeeze(1)
         step = max(2 * threads, chunk_bytes // (count * per_block), 1)
-        k_buf = k_rows.new_empty(min(step, rows.numel()) * count, k_rows.shape[1])
-        v_buf = v_rows.new_empty(k_buf.shape[0], v_rows.shape[1])
+        # Reused packing buffers save a page-faulting allocation per chunk (~10%); autograd
+        # cannot record writes into them, so training allocates per chunk.
+        k_buf = v_buf = None
+        if not needs_grad:
+            k_buf = k_rows.new_empty(min(step, rows.numel()) * count, k_rows.shape[1])
+            v_buf = v_rows.new_empty(k_buf.shape[0], v_rows.shape[1])
         for start in range(0, rows.numel(), step):
             chunk = rows[start : start + step]
             chunk_ids = ids[chunk, :count]
             flat = chunk_ids.reshape(-1)
-            keys = torch.index_select(k_rows, 0, flat, out=k_buf[: flat.numel()])
-            values = torch.index_select(v_rows, 0, flat, out=v_buf[: flat.numel()])
+            keys, values = _pack(k_rows, flat, k_buf), _pack(v_rows, flat, v_buf)
             rows_out, rows_lse = _attend(
                 q_rows.index_select(0, chunk).unsqueeze(0),
                 keys.view(1, chunk.numel(), count * block_size, d),
