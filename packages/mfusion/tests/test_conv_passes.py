@@ -56,6 +56,7 @@ def test_single_channel_overlapping_windows_become_one_gemm(dtype):
     ("shapes", "kwargs", "reason"),
     [
         (((1, 3, 16, 16), (4, 3, 3, 3), (4,)), {"stride": 2}, "overlapping"),
+        (((1, 8, 16, 16), (4, 8, 1, 1), (4,)), {"stride": 2}, "gaps"),
         (((1, 3, 16, 16), (4, 3, 4, 4), (4,)), {"stride": 4, "padding": 1}, "padding"),
         (((1, 1, 16, 16), (4, 1, 3, 3), (4,)), {"stride": 1, "dilation": 2}, "dilation"),
         (((1, 4, 16, 16), (4, 2, 4, 4), (4,)), {"stride": 4, "groups": 2}, "groups=2"),
@@ -71,8 +72,8 @@ def test_refuses_convolutions_that_are_not_cheap_patches(shapes, kwargs, reason)
 
 
 def test_stride_larger_than_kernel_skips_the_same_pixels():
-    """2x2 windows every 3 pixels over RGB: disjoint tiles with gaps, like the convolution."""
-    x, w, b = _randn(torch.float32, (1, 3, 17, 16), (4, 3, 2, 2), (4,))
+    """2x2 windows every 3 pixels over one channel: tiles with gaps, like the convolution."""
+    x, w, b = _randn(torch.float32, (1, 1, 17, 16), (4, 1, 2, 2), (4,))
     fn = _conv(stride=3)
     gm = trace(fn, x, w, b)
     assert apply(gm, "patch_conv").rewritten("patch_conv") == 1
