@@ -94,12 +94,13 @@ def select_blocks(
     return index, keep
 
 
-def _tile_layout(q, latent_shape, text_len, block_size, tile, first_frame_sink):
+def _tile_layout(q, k, latent_shape, text_len, block_size, tile, first_frame_sink):
+    """The tile permutation for BNSD ``q``/``k``, after checking their length against the grid."""
     frames, height, width = latent_shape
     video_len = frames * height * width
-    if q.shape[-2] != video_len + text_len:
+    if q.shape[-2] != video_len + text_len or k.shape[-2] != video_len + text_len:
         raise ValueError(
-            f"sequence length {q.shape[-2]} != latent tokens "
+            f"sequence length {q.shape[-2]} (keys {k.shape[-2]}) != latent tokens "
             f"{frames}*{height}*{width} + text_len {text_len} = {video_len + text_len}"
         )
     return tiling.tile_layout(
@@ -132,9 +133,7 @@ def plan_sparse_attention(
 ) -> SparsePlan:
     """Tile layout and kept blocks for [B, N, S, D] ``q``/``k`` (untiled, BNSD)."""
     _check_sparsity(sparsity)
-    if k.shape[-2] != q.shape[-2]:
-        raise ValueError(f"sequence length {q.shape[-2]} (keys {k.shape[-2]}) must match")
-    layout = _tile_layout(q, latent_shape, text_len, block_size, tile, first_frame_sink)
+    layout = _tile_layout(q, k, latent_shape, text_len, block_size, tile, first_frame_sink)
     qt, kt = (tiling.reorder(t, layout, seq_dim=2) for t in (q, k))
     return _select_tiled(qt, kt, layout, latent_shape, sparsity, block_size)
 
@@ -180,9 +179,7 @@ def sparse_attention(
     if sparsity == 0.0:
         return flash_attention(q, k, v, layout=layout, scale=scale)
     qb, kb, vb = (to_bnsd(t, layout) for t in (q, k, v))
-    if kb.shape[-2] != qb.shape[-2]:
-        raise ValueError(f"sequence length {qb.shape[-2]} (keys {kb.shape[-2]}) must match")
-    tiles = _tile_layout(qb, latent_shape, text_len, block_size, tile, first_frame_sink)
+    tiles = _tile_layout(qb, kb, latent_shape, text_len, block_size, tile, first_frame_sink)
     qt, kt, vt = (tiling.reorder(t, tiles, seq_dim=2) for t in (qb, kb, vb))
     plan = _select_tiled(qt, kt, tiles, latent_shape, sparsity, block_size)
     out = rain_fusion_attention(
