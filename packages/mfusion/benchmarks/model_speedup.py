@@ -21,7 +21,6 @@ import argparse
 import gc
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from zoo.transformers import Bert, Clip, Llama, Speech, ViT
 from zoo.vision import DCGANGenerator, ResNet18
 
 import mfusion
-from npu_core.bench import BenchTable, compare, measure
+from npu_core.bench import BenchTable, Timing, compare, measure
 
 Factory = Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
 
@@ -96,11 +95,6 @@ def _compare(baseline, candidate, calls: int, args: argparse.Namespace):
         gc.enable()
 
 
-def _quartiles(values: tuple[float, ...]) -> tuple[float, float]:
-    p25, _, p75 = statistics.quantiles(values, n=4, method="inclusive")
-    return p25, p75
-
-
 def _compile(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     out = fn()
@@ -130,6 +124,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         eager = measure(_batched(lambda: model(*inputs), calls), warmup=1, repeats=args.repeats)
         a_a = _compare(lambda: plain(*inputs), lambda: control(*inputs), calls, args)
         comparison = _compare(lambda: plain(*inputs), lambda: fused(*inputs), calls, args)
+    ratios = Timing(comparison.ratios)  # order statistics of the per-round ratios
     accurate = _accurate(out_plain, reference, args.tol) and _accurate(
         out_fused, reference, args.tol
     )
@@ -145,7 +140,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         # is far steadier than a ratio of medians on a busy machine.
         "mfusion / inductor": comparison.ratio_median,
         # Interquartile range of the per-round ratios: how far one round strays.
-        "ratio p25-p75": "{:.3f}-{:.3f}".format(*_quartiles(comparison.ratios)),
+        "ratio p25-p75": f"{ratios.p25:.3f}-{ratios.p75:.3f}",
         "A/A control": a_a.ratio_median,
         "calls/sample": calls,
         "compile s (inductor)": compile_plain,
