@@ -14,9 +14,7 @@ import torch.nn.functional as F
 from liteboost.ops import plan_sparse_attention, rain_fusion_attention, sparse_attention, tiling
 from liteboost.ops.block_gather import gather_block_sparse_attention
 from liteboost.ops.rain_fusion import (
-    SparseKernel,
     block_index_to_dense,
-    default_kernel,
     reference_block_sparse_attention,
 )
 
@@ -124,10 +122,6 @@ def test_gather_kernel_gives_zeros_for_rows_without_blocks_and_checks_heads():
         gather_block_sparse_attention(q, k.expand(1, 2, 32, 4), v, index, 16)
 
 
-def test_default_kernel_is_gather_on_cpu():
-    assert default_kernel(torch.device("cpu")) is SparseKernel.GATHER
-
-
 def test_reference_kernel_is_masked_sdpa_on_a_partial_tail_block():
     """The reference expands blocks to tokens correctly when S is not a block multiple."""
     gen = torch.Generator().manual_seed(0)
@@ -164,7 +158,7 @@ def test_sparsity_zero_is_dense_attention(qkv_factory):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
 
 
-@pytest.mark.parametrize("kernel", ["gather", "flex"])
+@pytest.mark.parametrize("kernel", ["cpu", "gather", "flex"])
 def test_keeping_every_block_equals_dense(qkv_factory, kernel):
     """The sparse path itself (tile, kernel, untile) is exact when nothing is dropped."""
     q, k, v = qkv_factory(GRID, batch=2)
@@ -197,19 +191,23 @@ def test_sparsity_half_stays_close_on_structured_inputs(qkv_factory):
     assert rel < 0.5 * rel_random, (rel, rel_random)
 
 
-def test_first_frame_and_text_blocks_are_always_kept(qkv_factory):
-    """At sparsity 0.9 every video query row still lists all first-frame and text key blocks."""
+@pytest.mark.parametrize("q_block", [BLOCK, 2 * BLOCK])
+def test_first_frame_and_text_blocks_are_always_kept(qkv_factory, q_block):
+    """At sparsity 0.9 every video query row still lists all first-frame and text key blocks,
+    with square blocks and with query blocks twice the key blocks."""
     text_len = 20
     q, k, _ = qkv_factory(GRID, text_len=text_len)
     plan = plan_sparse_attention(
-        q, k, latent_shape=GRID, text_len=text_len, sparsity=0.9, block_size=BLOCK
+        q, k, latent_shape=GRID, text_len=text_len, sparsity=0.9, block_size=(q_block, BLOCK)
     )
-    nk = math.ceil((216 + text_len) / BLOCK)  # 15 blocks; block 13 mixes video and text
+    nk = math.ceil((216 + text_len) / BLOCK)  # 15 key blocks; block 13 mixes video and text
+    video_q = 216 // q_block  # query rows holding video tokens only
+    assert plan.block_index.shape[2] == math.ceil((216 + text_len) / q_block)
     dense = block_index_to_dense(plan.block_index, nk)
-    video_rows = dense[..., :13, :]
+    video_rows = dense[..., :video_q, :]
     assert video_rows[..., :5].all(), "first-frame blocks (72 tokens, blocks 0-4) must be kept"
     assert video_rows[..., 13:].all(), "text blocks must be kept"
-    assert dense[..., 13:, :].all(), "text query rows attend every block"
+    assert dense[..., video_q:, :].all(), "text query rows attend every block"
     assert video_rows.sum(-1).max() == plan.keep < nk
 
 

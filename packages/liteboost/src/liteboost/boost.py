@@ -19,7 +19,8 @@ class BoostConfig:
         rope_cache: cache RoPE tables per grid, dtype and device and rotate in fp32.
         attention_backend: dense backend "fa3", "fa2", "npu" or "sdpa"; None = first usable.
         block_size: tokens per sparse-attention block.
-        sparse_kernel: sparse kernel "npu", "gather", "flex" or "reference"; None = per device.
+        sparse_kernel: sparse kernel "npu", "cpu", "gather", "flex" or "reference"; None = per
+            device.
     """
 
     sparsity: float = 0.0
@@ -65,8 +66,8 @@ class BoostManager:
         attention_backend: "fa3", "fa2", "npu" or "sdpa"; None = first usable (or the
             ``LITEBOOST_ATTENTION_BACKEND`` environment variable).
         block_size: tokens per sparse block (128 matches the NPU kernel).
-        sparse_kernel: "npu", "gather", "flex" or "reference"; None = per device (NPU op, gather on
-            CPU, else flex).
+        sparse_kernel: "npu", "cpu", "gather", "flex" or "reference"; None = per device (NPU op,
+            the fused "cpu" kernel on CPU, else flex).
 
     Raises:
         UnsupportedModelError: nothing in ``model_or_pipeline`` is supported; lists what is.

@@ -31,7 +31,7 @@ class AttentionSettings:
         sparsity: share of key blocks skipped (0 = dense).
         block_size: tokens per sparse block.
         attention_backend: dense backend name or None for the chain.
-        sparse_kernel: "npu", "gather", "flex", "reference" or None (default per device).
+        sparse_kernel: "npu", "cpu", "gather", "flex", "reference" or None (default per device).
         ulysses: the Ulysses exchange, or None on a single device.
     """
 

@@ -21,21 +21,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from liteboost.ops.blocks import BlockSize, block_index_to_dense, block_shape, check_same_heads
+
 # Packed K+V bytes per chunk: big enough that each SDPA call has work for every thread, small
 # enough to stay in a server CPU's last-level cache (measured flat between 4 and 64 MiB).
 CHUNK_BYTES = 16 << 20
-
-
-def block_index_to_dense(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
-    """Boolean block mask [B, N, nq, nk] from a -1 padded index list [B, N, nq, K]."""
-    valid = block_index >= 0
-    dense = torch.zeros(
-        (*block_index.shape[:-1], num_kv_blocks + 1), dtype=torch.bool, device=block_index.device
-    )
-    # Padding (-1) is routed to an extra column that is dropped afterwards.
-    target = torch.where(valid, block_index, num_kv_blocks).long()
-    dense.scatter_(-1, target, True)
-    return dense[..., :num_kv_blocks]
 
 
 def _as_block_rows(x: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -70,9 +60,9 @@ def _global_block_ids(
 
 
 def _tail_bias(
-    ids: torch.Tensor, num_kv_blocks: int, block_size: int, tail_pad: int, dtype: torch.dtype
+    ids: torch.Tensor, num_kv_blocks: int, kv_block: int, tail_pad: int, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """Additive mask [1, rows, 1, count * block_size]: -inf on the padded keys of the last block.
+    """Additive mask [1, rows, 1, count * kv_block]: -inf on the padded keys of the last block.
 
     ``ids`` [rows, count] lists each row's packed blocks. None when no row holds the (partial)
     last key block.
@@ -80,7 +70,7 @@ def _tail_bias(
     is_last = (ids % num_kv_blocks) == num_kv_blocks - 1
     if not tail_pad or not bool(is_last.any()):
         return None
-    padded = torch.arange(block_size, device=ids.device) >= block_size - tail_pad
+    padded = torch.arange(kv_block, device=ids.device) >= kv_block - tail_pad
     hidden = (is_last.unsqueeze(-1) & padded).reshape(1, ids.shape[0], 1, -1)
     return torch.zeros(hidden.shape, dtype=dtype, device=ids.device).masked_fill_(hidden, -math.inf)
 
@@ -110,7 +100,7 @@ def gather_block_sparse_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     block_index: torch.Tensor,
-    block_size: int,
+    block_size: BlockSize,
     scale: float | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> torch.Tensor:
@@ -118,27 +108,25 @@ def gather_block_sparse_attention(
 
     Args:
         q, k, v: BNSD tensors with the same batch and head counts.
-        block_index: int [B, N, ceil(Sq / block_size), K] key-block ids, -1 padded anywhere;
+        block_index: int [B, N, ceil(Sq / query block), K] key-block ids, -1 padded anywhere;
             a row lists a block at most once.
-        block_size: tokens per block (queries and keys); the last block may be partial.
+        block_size: tokens per block, an int or a (query, key) pair; the last block of either
+            may be partial.
         scale: softmax scale; default ``D ** -0.5``.
         chunk_bytes: packed K+V bytes per SDPA call (tests shrink it to cross chunk edges).
 
     Returns:
         [B, N, Sq, Dv] in the dtype of ``q``. Query blocks that keep no key block get zeros.
     """
-    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"q, k, v must share batch and head counts; got {tuple(q.shape[:2])}, "
-            f"{tuple(k.shape[:2])}, {tuple(v.shape[:2])}"
-        )
+    check_same_heads(q, k, v)
     b, n, sq, d = q.shape
     sk, dv = k.shape[-2], v.shape[-1]
-    nq, nk = math.ceil(sq / block_size), math.ceil(sk / block_size)
-    tail_pad = nk * block_size - sk
-    q_rows = _as_block_rows(q, nq, block_size)
-    k_rows = _as_block_rows(k, nk, block_size).flatten(1)
-    v_rows = _as_block_rows(v, nk, block_size).flatten(1)
+    q_block, kv_block = block_shape(block_size)
+    nq, nk = math.ceil(sq / q_block), math.ceil(sk / kv_block)
+    tail_pad = nk * kv_block - sk
+    q_rows = _as_block_rows(q, nq, q_block)
+    k_rows = _as_block_rows(k, nk, kv_block).flatten(1)
+    v_rows = _as_block_rows(v, nk, kv_block).flatten(1)
     shared = _shared_blocks(block_index, nk)
     # torch does not differentiate the fused kernel's LSE output, so the merge is inference-only.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -148,9 +136,9 @@ def gather_block_sparse_attention(
     ids = _global_block_ids(block_index, nk, drop=shared)
     counts = (ids >= 0).sum(-1)
 
-    out = q.new_zeros(b * n * nq, block_size, dv)
+    out = q.new_zeros(b * n * nq, q_block, dv)
     lse = torch.full(out.shape[:2], -math.inf, device=q.device) if split else None
-    per_block = block_size * (d + dv) * k.element_size()  # packed K+V bytes
+    per_block = kv_block * (d + dv) * k.element_size()  # packed K+V bytes
     threads = torch.get_num_threads()
     for count in counts.unique().tolist():
         if count == 0:
@@ -170,9 +158,9 @@ def gather_block_sparse_attention(
             keys, values = _pack(k_rows, flat, k_buf), _pack(v_rows, flat, v_buf)
             rows_out, rows_lse = _attend(
                 q_rows.index_select(0, chunk).unsqueeze(0),
-                keys.view(1, chunk.numel(), count * block_size, d),
-                values.view(1, chunk.numel(), count * block_size, dv),
-                _tail_bias(chunk_ids, nk, block_size, tail_pad, q.dtype),
+                keys.view(1, chunk.numel(), count * kv_block, d),
+                values.view(1, chunk.numel(), count * kv_block, dv),
+                _tail_bias(chunk_ids, nk, kv_block, tail_pad, q.dtype),
                 scale,
                 with_lse=split,
             )
@@ -180,24 +168,24 @@ def gather_block_sparse_attention(
             if split:
                 lse.index_copy_(0, chunk, rows_lse[0])
     if split:
-        out = _merge_shared(out, lse, q_rows, k_rows, v_rows, shared, block_size, tail_pad, scale)
-    return out.view(b, n, nq * block_size, dv)[:, :, :sq]
+        out = _merge_shared(out, lse, q_rows, k_rows, v_rows, shared, kv_block, tail_pad, scale)
+    return out.view(b, n, nq * q_block, dv)[:, :, :sq]
 
 
-def _merge_shared(out, lse, q_rows, k_rows, v_rows, shared, block_size, tail_pad, scale):
+def _merge_shared(out, lse, q_rows, k_rows, v_rows, shared, kv_block, tail_pad, scale):
     """Attend the shared key blocks with every query at once; merge with the packed part by LSE."""
-    rows, _, d = q_rows.shape
+    rows, q_block, d = q_rows.shape
     nk = shared.numel()
     heads = k_rows.shape[0] // nk
     blocks = shared.nonzero().squeeze(1)
-    length = blocks.numel() * block_size
+    length = blocks.numel() * kv_block
     keys = k_rows.view(heads, nk, -1).index_select(1, blocks).view(1, heads, length, d)
     values = v_rows.view(heads, nk, -1).index_select(1, blocks).view(1, heads, length, -1)
-    bias = _tail_bias(blocks.view(1, -1), nk, block_size, tail_pad, q_rows.dtype)
+    bias = _tail_bias(blocks.view(1, -1), nk, kv_block, tail_pad, q_rows.dtype)
     shared_out, shared_lse = _attend(
         q_rows.view(1, heads, -1, d), keys, values, bias, scale, with_lse=True
     )
-    shared_lse = shared_lse.reshape(rows, block_size)
+    shared_lse = shared_lse.reshape(rows, q_block)
     total = torch.logaddexp(lse, shared_lse)
     weight = (lse - total).exp().unsqueeze(-1)
     shared_weight = (shared_lse - total).exp().unsqueeze(-1)

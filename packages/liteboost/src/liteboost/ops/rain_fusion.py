@@ -1,9 +1,11 @@
 """Block-sparse attention: for each query block, attend only the listed key blocks.
 
-Four kernels behind one signature: the Ascend ``RainFusionAttention`` op when torch_npu provides
-it, the block-gather kernel (kept blocks packed, then stock SDPA; the CPU default, see
-``block_gather``), FlexAttention with a ``BlockMask`` (compiled once per shape, cached; the cuda
-default), and a pure-PyTorch dense-mask reference kept for tests. Choosing *which* blocks to keep is
+Five kernels behind one signature: the Ascend ``RainFusionAttention`` op when torch_npu provides
+it, a fused C++ CPU kernel (online softmax over the listed blocks, built once per machine; the
+CPU default, see ``fused_cpu``), the block-gather kernel (kept blocks packed, then stock SDPA; the
+CPU fallback and the differentiable CPU path, see ``block_gather``), FlexAttention with a
+``BlockMask`` (compiled once per shape, cached; the cuda default), and a pure-PyTorch dense-mask
+reference kept for tests. Choosing *which* blocks to keep is
 ``liteboost.ops.sparse_attention``'s job.
 """
 
@@ -19,7 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from liteboost.ops.block_gather import block_index_to_dense, gather_block_sparse_attention
+from liteboost.ops.block_gather import gather_block_sparse_attention
+from liteboost.ops.blocks import BlockSize, block_index_to_dense, block_shape
+from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention
 from npu_core._npu import import_torch_npu
 
 logger = logging.getLogger(__name__)
@@ -29,6 +33,7 @@ class SparseKernel(enum.StrEnum):
     """Kernels that run ``rain_fusion_attention``."""
 
     NPU = "npu"
+    CPU = "cpu"
     GATHER = "gather"
     FLEX = "flex"
     REFERENCE = "reference"
@@ -58,14 +63,14 @@ def reference_block_sparse_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     block_index: torch.Tensor,
-    block_size: int,
+    block_size: BlockSize,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Dense SDPA with the block mask expanded to tokens; [B, N, S, D] in and out. Tests only."""
-    sq, sk = q.shape[-2], k.shape[-2]
-    dense = block_index_to_dense(block_index, math.ceil(sk / block_size))
-    token_mask = dense.repeat_interleave(block_size, -2)[..., :sq, :]
-    token_mask = token_mask.repeat_interleave(block_size, -1)[..., :sk]
+    (bq, bk), sq, sk = block_shape(block_size), q.shape[-2], k.shape[-2]
+    dense = block_index_to_dense(block_index, math.ceil(sk / bk))
+    token_mask = dense.repeat_interleave(bq, -2)[..., :sq, :]
+    token_mask = token_mask.repeat_interleave(bk, -1)[..., :sk]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=token_mask, scale=scale)
 
 
@@ -89,7 +94,7 @@ def _compiled_flex(key: tuple) -> Callable[..., torch.Tensor]:
         return fn
 
 
-def build_block_mask(block_index: torch.Tensor, block_size: int, seq_len: tuple[int, int]):
+def build_block_mask(block_index: torch.Tensor, block_size: BlockSize, seq_len: tuple[int, int]):
     """FlexAttention ``BlockMask`` from a -1 padded key-block list [B, N, nq, K].
 
     Every listed block is passed as a *full* block (no per-token mask inside), so the kernel skips
@@ -98,7 +103,8 @@ def build_block_mask(block_index: torch.Tensor, block_size: int, seq_len: tuple[
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    num_kv_blocks = math.ceil(seq_len[1] / block_size)
+    block_size = block_shape(block_size)
+    num_kv_blocks = math.ceil(seq_len[1] / block_size[1])
     valid = block_index >= 0
     counts = valid.sum(-1, dtype=torch.int32)
     width = block_index.shape[-1]
@@ -123,11 +129,12 @@ def flex_block_sparse_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     block_index: torch.Tensor,
-    block_size: int,
+    block_size: BlockSize,
     scale: float | None = None,
     block_mask=None,
 ) -> torch.Tensor:
     """FlexAttention kernel; [B, N, S, D] in and out. ``block_mask`` may be prebuilt."""
+    block_size = block_shape(block_size)
     if block_mask is None:
         block_mask = build_block_mask(block_index, block_size, (q.shape[-2], k.shape[-2]))
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, block_size)
@@ -150,7 +157,7 @@ def npu_block_sparse_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     block_index: torch.Tensor,
-    block_size: int,
+    block_size: BlockSize,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Ascend RainFusionAttention (aclnnRainFusionAttention); [B, N, S, D] in and out.
@@ -168,7 +175,7 @@ def npu_block_sparse_attention(
         v,
         select_idx=block_index.to(torch.int64),
         select_num_idx=counts.to(torch.int64),
-        block_shape=[block_size, block_size],
+        block_shape=list(block_shape(block_size)),
         q_input_layout="BNSD",
         kv_input_layout="BNSD",
         num_key_value_heads=k.shape[1],
@@ -177,20 +184,21 @@ def npu_block_sparse_attention(
 
 
 def default_kernel(device: torch.device) -> SparseKernel:
-    """NPU op on an NPU device that provides it, block gather on CPU, else FlexAttention.
+    """NPU op on an NPU device that provides it, the fused kernel on CPU, else FlexAttention.
 
-    On CPU the gather kernel measured 1.6-2x faster than FlexAttention at sparsity 0.8
-    (benchmarks/sparse_attention.py); on cuda FlexAttention is a fused Triton kernel.
+    On CPU the fused kernel measured fastest at sparsity 0.8, ahead of block gather and
+    FlexAttention (benchmarks/sparse_attention.py); on cuda FlexAttention is a fused Triton kernel.
     """
     if device.type == "npu" and _npu_op() is not None:
         return SparseKernel.NPU
     if device.type == "cpu":
-        return SparseKernel.GATHER
+        return SparseKernel.CPU
     return SparseKernel.FLEX
 
 
 _KERNELS = {
     SparseKernel.NPU: npu_block_sparse_attention,
+    SparseKernel.CPU: fused_cpu_block_sparse_attention,
     SparseKernel.GATHER: gather_block_sparse_attention,
     SparseKernel.FLEX: flex_block_sparse_attention,
     SparseKernel.REFERENCE: reference_block_sparse_attention,
@@ -203,7 +211,7 @@ def rain_fusion_attention(
     v: torch.Tensor,
     block_index: torch.Tensor,
     *,
-    block_size: int = 128,
+    block_size: BlockSize = 128,
     scale: float | None = None,
     layout: str = "BNSD",
     kernel: SparseKernel | str | None = None,
@@ -214,25 +222,27 @@ def rain_fusion_attention(
         q: [B, N, Sq, D] (layout "BNSD") or [B, Sq, N, D] ("BSND"); fp32, bf16 or fp16.
         k: like ``q`` with Sk tokens.
         v: like ``k``.
-        block_index: int [B, N, ceil(Sq / block_size), K] key-block ids per query block, padded
+        block_index: int [B, N, ceil(Sq / query block), K] key-block ids per query block, padded
             with -1 (rows may keep different numbers of blocks). Every row must keep >= 1 block.
-        block_size: tokens per block, for queries and keys alike; the last block may be partial.
+        block_size: tokens per block: an int for queries and keys alike, or a (query, key) pair;
+            the last block of either may be partial.
         scale: softmax scale; default ``D ** -0.5``.
         layout: "BNSD" or "BSND", for inputs and output alike.
-        kernel: force "npu", "gather", "flex" or "reference"; default: the NPU op where
-            present, "gather" on CPU, else "flex".
+        kernel: force "npu", "cpu", "gather", "flex" or "reference"; default: the NPU op where
+            present, "cpu" on CPU, else "flex".
 
     Returns:
         The attention output in ``layout``, dtype of ``q``.
     """
     check_layout(layout)
+    shape = block_shape(block_size)
     qb, kb, vb = (to_bnsd(t, layout) for t in (q, k, v))
-    expected = (qb.shape[0], qb.shape[1], math.ceil(qb.shape[-2] / block_size))
+    expected = (qb.shape[0], qb.shape[1], math.ceil(qb.shape[-2] / shape[0]))
     if block_index.dim() != 4 or tuple(block_index.shape[:3]) != expected:
         raise ValueError(
             f"block_index has shape {tuple(block_index.shape)}; expected [B, N, nq, K] with "
             f"[B, N, nq] = {list(expected)} for block_size={block_size}"
         )
     kernel = SparseKernel(kernel) if kernel is not None else default_kernel(qb.device)
-    out = _KERNELS[kernel](qb, kb, vb, block_index, block_size, scale)
+    out = _KERNELS[kernel](qb, kb, vb, block_index, shape, scale)
     return from_bnsd(out, layout)

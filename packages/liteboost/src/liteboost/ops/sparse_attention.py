@@ -16,6 +16,7 @@ import torch
 
 from liteboost.attention.backends import flash_attention
 from liteboost.ops import tiling
+from liteboost.ops.blocks import BlockSize, block_shape
 from liteboost.ops.rain_fusion import (
     SparseKernel,
     check_layout,
@@ -66,26 +67,30 @@ def select_blocks(
     video_len: int,
     first_frame_tokens: int,
     sparsity: float,
-    block_size: int,
+    block_size: tuple[int, int],
 ) -> tuple[torch.Tensor, int]:
     """Top-k key blocks per query block from pooled scores; [B, N, S, D] tiled inputs.
+
+    Args:
+        block_size: (query block, key block) tokens.
 
     Returns:
         (block_index int32 [B, N, nq, K] padded with -1, keep per video query block).
     """
-    nq = math.ceil(q_tiled.shape[-2] / block_size)
-    nk = math.ceil(k_tiled.shape[-2] / block_size)
-    scores = _pool_blocks(q_tiled, block_size) @ _pool_blocks(k_tiled, block_size).transpose(-1, -2)
+    q_block, kv_block = block_size
+    nq = math.ceil(q_tiled.shape[-2] / q_block)
+    nk = math.ceil(k_tiled.shape[-2] / kv_block)
+    scores = _pool_blocks(q_tiled, q_block) @ _pool_blocks(k_tiled, kv_block).transpose(-1, -2)
     forced = torch.zeros(nk, dtype=torch.bool, device=scores.device)
     has_text = k_tiled.shape[-2] > video_len
     if has_text:
-        forced[video_len // block_size :] = True  # blocks holding any text token
+        forced[video_len // kv_block :] = True  # blocks holding any text token
     if first_frame_tokens:
-        forced[: math.ceil(first_frame_tokens / block_size)] = True
+        forced[: math.ceil(first_frame_tokens / kv_block)] = True
     keep = min(nk, max(int(forced.sum()), math.ceil((1.0 - sparsity) * nk), 1))
     scores = scores.masked_fill(forced, torch.inf)
     index = scores.topk(keep, dim=-1, sorted=False).indices.to(torch.int32)
-    text_rows = torch.arange(nq, device=scores.device) >= video_len // block_size
+    text_rows = torch.arange(nq, device=scores.device) >= video_len // q_block
     if keep < nk and has_text:
         # Text query rows (and the boundary block) attend every key block.
         full = torch.arange(nk, device=scores.device, dtype=torch.int32)
@@ -95,7 +100,11 @@ def select_blocks(
 
 
 def _tile_layout(q, k, latent_shape, text_len, block_size, tile, first_frame_sink):
-    """The tile permutation for BNSD ``q``/``k``, after checking their length against the grid."""
+    """The tile permutation for BNSD ``q``/``k``, after checking their length against the grid.
+
+    Default tiles hold one key block, so every key block is a compact 3-D neighbourhood; a
+    larger query block spans neighbouring tiles.
+    """
     frames, height, width = latent_shape
     video_len = frames * height * width
     if q.shape[-2] != video_len + text_len or k.shape[-2] != video_len + text_len:
@@ -104,7 +113,7 @@ def _tile_layout(q, k, latent_shape, text_len, block_size, tile, first_frame_sin
             f"{frames}*{height}*{width} + text_len {text_len} = {video_len + text_len}"
         )
     return tiling.tile_layout(
-        latent_shape, tile or tiling.default_tile(block_size), q.device, first_frame_sink
+        latent_shape, tile or tiling.default_tile(block_size[1]), q.device, first_frame_sink
     )
 
 
@@ -127,12 +136,13 @@ def plan_sparse_attention(
     latent_shape: tuple[int, int, int],
     text_len: int = 0,
     sparsity: float,
-    block_size: int = 128,
+    block_size: BlockSize = 128,
     tile: tuple[int, int, int] | None = None,
     first_frame_sink: bool = True,
 ) -> SparsePlan:
     """Tile layout and kept blocks for [B, N, S, D] ``q``/``k`` (untiled, BNSD)."""
     _check_sparsity(sparsity)
+    block_size = block_shape(block_size)
     layout = _tile_layout(q, k, latent_shape, text_len, block_size, tile, first_frame_sink)
     qt, kt = (tiling.reorder(t, layout, seq_dim=2) for t in (q, k))
     return _select_tiled(qt, kt, layout, latent_shape, sparsity, block_size)
@@ -146,7 +156,7 @@ def sparse_attention(
     latent_shape: tuple[int, int, int],
     text_len: int = 0,
     sparsity: float,
-    block_size: int = 128,
+    block_size: BlockSize = 128,
     layout: str = "BNSD",
     first_frame_sink: bool = True,
     tile: tuple[int, int, int] | None = None,
@@ -164,10 +174,12 @@ def sparse_attention(
         text_len: text tokens after the video tokens (0 for Wan self-attention).
         sparsity: share of key blocks skipped per query block, in [0, 1). 0 runs dense
             attention through :func:`liteboost.attention.flash_attention` (identical output).
-        block_size: tokens per block.
+        block_size: tokens per block: an int for queries and keys alike, or a (query, key)
+            pair. Keys are selected per key block, each query block choosing for all its
+            queries.
         layout: "BNSD" or "BSND", for inputs and output alike.
         first_frame_sink: tile frame 0 on its own and always keep its key blocks.
-        tile: (frames, rows, cols) per tile; default about ``block_size`` tokens (2 x 8 x 8).
+        tile: (frames, rows, cols) per tile; default about one key block (2 x 8 x 8 for 128).
         scale: softmax scale; default ``D ** -0.5``.
         kernel: forwarded to :func:`rain_fusion_attention`.
 
@@ -176,6 +188,7 @@ def sparse_attention(
     """
     check_layout(layout)
     _check_sparsity(sparsity)
+    block_size = block_shape(block_size)
     if sparsity == 0.0:
         return flash_attention(q, k, v, layout=layout, scale=scale)
     qb, kb, vb = (to_bnsd(t, layout) for t in (q, k, v))

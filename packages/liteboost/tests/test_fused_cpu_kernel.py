@@ -1,0 +1,117 @@
+"""The fused C++ CPU kernel and (query, key) block shapes: every kernel equals the reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liteboost.ops import rain_fusion_attention, sparse_attention
+from liteboost.ops.blocks import block_shape
+from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention, load_cpu_kernel
+from liteboost.ops.rain_fusion import SparseKernel, default_kernel, reference_block_sparse_attention
+
+
+def _index(b, n, nq, nk, gen):
+    """Random kept blocks per row (1..nk of them, no repeats), -1 padding at random positions."""
+    keep = torch.randint(1, nk + 1, (b, n, nq), generator=gen)
+    order = torch.rand(b, n, nq, nk, generator=gen).argsort(-1)
+    index = torch.where(torch.arange(nk) < keep.unsqueeze(-1), order, -1)
+    return index.gather(-1, torch.rand(index.shape, generator=gen).argsort(-1))
+
+
+def _qkv(sq, sk, d=8, heads=3, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, sq, d, generator=gen)
+    k, v = (torch.randn(batch, heads, sk, d, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def test_the_kernel_builds_here_and_is_the_cpu_default():
+    assert load_cpu_kernel() is not None, "no C++ toolchain: the CPU default falls back to gather"
+    assert default_kernel(torch.device("cpu")) is SparseKernel.CPU
+
+
+# (query block, key block), Sq, Sk: square, tall and wide blocks, partial tails on both sides,
+# and a key block wider than one softmax step (300 > 256 columns).
+SHAPES = [
+    ((16, 16), 200, 200),
+    ((32, 16), 200, 170),
+    ((16, 32), 90, 200),
+    ((8, 300), 40, 650),
+]
+
+
+@pytest.mark.parametrize(("block", "sq", "sk"), SHAPES, ids=[str(s[0]) for s in SHAPES])
+@pytest.mark.parametrize("kernel", ["cpu", "gather"])
+def test_kernels_match_reference_for_block_shapes(block, sq, sk, kernel):
+    q, k, v = _qkv(sq, sk)
+    nq, nk = -(-sq // block[0]), -(-sk // block[1])
+    index = _index(2, 3, nq, nk, torch.Generator().manual_seed(1))
+    ref = reference_block_sparse_attention(q, k, v, index, block, scale=0.3)
+    out = rain_fusion_attention(q, k, v, index, block_size=block, scale=0.3, kernel=kernel)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_cpu_kernel_in_bf16_and_bsnd():
+    q, k, v = _qkv(100, 100, d=16)
+    index = _index(2, 3, 7, 7, torch.Generator().manual_seed(2))
+    ref = reference_block_sparse_attention(q, k, v, index, 16)
+    out = rain_fusion_attention(
+        *(t.transpose(1, 2).bfloat16() for t in (q, k, v)),
+        index,
+        block_size=16,
+        layout="BSND",
+        kernel="cpu",
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.transpose(1, 2).float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_cpu_kernel_zero_rows_and_bad_inputs():
+    q, k, v = _qkv(32, 32, d=4, heads=1, batch=1)
+    index = torch.tensor([[[[1, -1], [-1, -1]]]])
+    out = fused_cpu_block_sparse_attention(q, k, v, index, 16)
+    assert torch.equal(out[..., 16:, :], torch.zeros(1, 1, 16, 4))
+    torch.testing.assert_close(
+        out[..., :16, :],
+        F.scaled_dot_product_attention(q[..., :16, :], k[..., 16:, :], v[..., 16:, :]),
+    )
+    with pytest.raises(ValueError, match="share batch and head counts"):
+        fused_cpu_block_sparse_attention(q, k.expand(1, 2, 32, 4), v, index, 16)
+    with pytest.raises(RuntimeError, match="key block >= 2"):
+        fused_cpu_block_sparse_attention(q, k, v, torch.tensor([[[[2], [0]]]]), 16)
+    with pytest.raises(ValueError, match="needs CPU tensors"):
+        fused_cpu_block_sparse_attention(*(t.to("meta") for t in (q, k, v)), index, 16)
+
+
+def test_cpu_kernel_steps_aside_for_autograd():
+    """No backward in C++: with autograd recording, gradients come from the gather path."""
+    gen = torch.Generator().manual_seed(3)
+    index = _index(1, 2, 4, 4, gen)
+    grads = []
+    for kernel in (fused_cpu_block_sparse_attention, reference_block_sparse_attention):
+        q, k, v = (t.requires_grad_() for t in _qkv(60, 60, heads=2, batch=1))
+        kernel(q, k, v, index, 16).square().sum().backward()
+        grads.append([t.grad for t in (q, k, v)])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_attention_with_query_blocks_twice_the_key_blocks(qkv_factory):
+    """Selection per (32-query, 16-key) block, then any kernel: all equal the reference."""
+    grid = (3, 8, 9)
+    q, k, v = qkv_factory(grid, batch=2)
+    outs = {
+        kernel: sparse_attention(
+            q, k, v, latent_shape=grid, sparsity=0.5, block_size=(32, 16), kernel=kernel
+        )
+        for kernel in ("reference", "cpu", "gather")
+    }
+    for kernel in ("cpu", "gather"):
+        torch.testing.assert_close(outs[kernel], outs["reference"], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [0, (16,), (16, 0), (16.0, 16), "16"])
+def test_block_shape_names_the_bad_value(bad):
+    assert block_shape(16) == (16, 16) and block_shape([32, 16]) == (32, 16)
+    with pytest.raises(ValueError, match="block_size="):
+        block_shape(bad)
