@@ -177,6 +177,8 @@ torch::Tensor block_sparse_attention(torch::Tensor q, torch::Tensor k, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released: the kernel touches no Python object, other Python threads may run.
   m.def("block_sparse_attention", &block_sparse_attention,
-        "Block-sparse flash attention on CPU (fp32, forward)");
+        "Block-sparse flash attention on CPU (fp32, forward)",
+        py::call_guard<py::gil_scoped_release>());
 }
