@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from liteboost.ops import plan_sparse_attention, rain_fusion_attention, sparse_attention, tiling
 from liteboost.ops.block_gather import gather_block_sparse_attention
+from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention
 from liteboost.ops.rain_fusion import (
     block_index_to_dense,
     reference_block_sparse_attention,
@@ -108,18 +109,21 @@ def test_gather_kernel_with_more_keys_than_queries_and_bf16():
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_gather_kernel_gives_zeros_for_rows_without_blocks_and_checks_heads():
+@pytest.mark.parametrize(
+    "kernel", [gather_block_sparse_attention, fused_cpu_block_sparse_attention]
+)
+def test_kernels_give_zeros_for_rows_without_blocks_and_check_heads(kernel):
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 1, 32, 4, generator=gen) for _ in range(3))
     index = torch.tensor([[[[1, -1], [-1, -1]]]])
-    out = gather_block_sparse_attention(q, k, v, index, 16)
+    out = kernel(q, k, v, index, 16)
     assert torch.equal(out[..., 16:, :], torch.zeros(1, 1, 16, 4))
     torch.testing.assert_close(
         out[..., :16, :],
         F.scaled_dot_product_attention(q[..., :16, :], k[..., 16:, :], v[..., 16:, :]),
     )
     with pytest.raises(ValueError, match="share batch and head counts"):
-        gather_block_sparse_attention(q, k.expand(1, 2, 32, 4), v, index, 16)
+        kernel(q, k.expand(1, 2, 32, 4), v, index, 16)
 
 
 def test_reference_kernel_is_masked_sdpa_on_a_partial_tail_block():

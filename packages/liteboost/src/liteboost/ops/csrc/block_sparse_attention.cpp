@@ -14,8 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <iterator>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <vector>
 
