@@ -62,7 +62,8 @@ def test_gather_kernel_matches_reference_with_ragged_rows(qkv_factory, chunk_byt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_kernel_merges_blocks_every_row_keeps(qkv_factory, dtype):
+@pytest.mark.parametrize("kernel", ["gather", "cpu"])
+def test_kernels_merge_blocks_every_row_keeps(qkv_factory, dtype, kernel):
     """Blocks listed in every row (a sink and the partial tail block) are attended once by all
     queries and merged by log-sum-exp; some rows keep nothing else."""
     q, k, v = qkv_factory(GRID, heads=2, batch=2)
@@ -73,9 +74,12 @@ def test_gather_kernel_merges_blocks_every_row_keeps(qkv_factory, dtype):
     shared = torch.tensor([0, NB - 1], dtype=torch.int32).expand(2, 2, NB, 2)
     index = _shuffled(torch.cat([shared, others], dim=-1), gen)
     ref = reference_block_sparse_attention(q, k, v, index, BLOCK)
-    out = gather_block_sparse_attention(
-        *(t.to(dtype) for t in (q, k, v)), index, BLOCK, chunk_bytes=1
-    )
+    low = [t.to(dtype) for t in (q, k, v)]
+    if kernel == "gather":
+        out = gather_block_sparse_attention(*low, index, BLOCK, chunk_bytes=1)
+    else:
+        out = fused_cpu_block_sparse_attention(*low, index, BLOCK)
+    assert out.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 

@@ -37,7 +37,7 @@ def _as_block_rows(x: torch.Tensor, num_blocks: int, block_size: int) -> torch.T
     return x.reshape(b * n * num_blocks, block_size, d)
 
 
-def _shared_blocks(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
+def shared_blocks(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
     """Bool [nk]: key blocks listed in every query row of every batch element and head."""
     rows = block_index_to_dense(block_index, num_kv_blocks).flatten(0, 2)
     return rows.all(0)
@@ -76,7 +76,7 @@ def _tail_bias(
 
 
 def _attend(q, k, v, bias, scale, with_lse: bool):
-    """SDPA on [1, rows, S, D] tensors; with the log-sum-exp [1, rows, S] (fp32) if asked.
+    """SDPA on BNSD tensors; with the log-sum-exp [B, N, S] (fp32) if asked.
 
     Only CPU exposes the LSE of its fused kernel (``_scaled_dot_product_flash_attention_for_cpu``),
     which is why the shared-block split is CPU-only.
@@ -127,7 +127,7 @@ def gather_block_sparse_attention(
     q_rows = _as_block_rows(q, nq, q_block)
     k_rows = _as_block_rows(k, nk, kv_block).flatten(1)
     v_rows = _as_block_rows(v, nk, kv_block).flatten(1)
-    shared = _shared_blocks(block_index, nk)
+    shared = shared_blocks(block_index, nk)
     # torch does not differentiate the fused kernel's LSE output, so the merge is inference-only.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     split = q.device.type == "cpu" and not needs_grad and bool(shared.any())
@@ -167,27 +167,36 @@ def gather_block_sparse_attention(
             out.index_copy_(0, chunk, rows_out[0].contiguous())
             if split:
                 lse.index_copy_(0, chunk, rows_lse[0])
+    out = out.view(b, n, nq * q_block, dv)[:, :, :sq]
     if split:
-        out = _merge_shared(out, lse, q_rows, k_rows, v_rows, shared, kv_block, tail_pad, scale)
-    return out.view(b, n, nq * q_block, dv)[:, :, :sq]
+        lse = lse.view(b, n, nq * q_block)[:, :, :sq]
+        out = merge_shared_blocks(q, k, v, out, lse, shared, kv_block, scale)
+    return out
 
 
-def _merge_shared(out, lse, q_rows, k_rows, v_rows, shared, kv_block, tail_pad, scale):
-    """Attend the shared key blocks with every query at once; merge with the packed part by LSE."""
-    rows, q_block, d = q_rows.shape
-    nk = shared.numel()
-    heads = k_rows.shape[0] // nk
-    blocks = shared.nonzero().squeeze(1)
-    length = blocks.numel() * kv_block
-    keys = k_rows.view(heads, nk, -1).index_select(1, blocks).view(1, heads, length, d)
-    values = v_rows.view(heads, nk, -1).index_select(1, blocks).view(1, heads, length, -1)
-    bias = _tail_bias(blocks.view(1, -1), nk, kv_block, tail_pad, q_rows.dtype)
+def merge_shared_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    shared: torch.Tensor,
+    kv_block: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attend the ``shared`` key blocks (bool [nk]) with every query at once, merged by LSE.
+
+    ``out`` [B, N, Sq, Dv] and ``lse`` [B, N, Sq] (fp32; very negative where a query attended
+    nothing) are attention over the other blocks. One large-tile SDPA call over all queries runs at
+    dense SDPA's full rate. CPU and inference only: torch neither exposes the fused kernel's LSE on
+    other devices nor differentiates it.
+    """
+    tokens = (shared.nonzero() * kv_block + torch.arange(kv_block, device=q.device)).flatten()
+    tokens = tokens[tokens < k.shape[-2]]  # the last block may be partial
     shared_out, shared_lse = _attend(
-        q_rows.view(1, heads, -1, d), keys, values, bias, scale, with_lse=True
+        q, k.index_select(2, tokens), v.index_select(2, tokens), None, scale, with_lse=True
     )
-    shared_lse = shared_lse.reshape(rows, q_block)
     total = torch.logaddexp(lse, shared_lse)
     weight = (lse - total).exp().unsqueeze(-1)
     shared_weight = (shared_lse - total).exp().unsqueeze(-1)
-    merged = out.float() * weight + shared_out.reshape(out.shape).float() * shared_weight
-    return merged.to(out.dtype)
+    return (out.float() * weight + shared_out.float() * shared_weight).to(out.dtype)

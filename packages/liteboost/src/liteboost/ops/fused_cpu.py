@@ -1,6 +1,6 @@
 """The fused CPU block-sparse kernel (``csrc/block_sparse_attention.cpp``), built once per machine.
 
-``torch.utils.cpp_extension`` compiles it on first use (about 45 s on two cores) into torch's
+``torch.utils.cpp_extension`` compiles it on first use (about 50 s on two cores) into torch's
 extension cache and loads it from there afterwards. It is forward-only fp32: other dtypes are
 computed in fp32, and when autograd records, or where no C++ toolchain is available (logged once),
 the block-gather kernel runs instead.
@@ -18,7 +18,11 @@ from types import ModuleType
 
 import torch
 
-from liteboost.ops.block_gather import gather_block_sparse_attention
+from liteboost.ops.block_gather import (
+    gather_block_sparse_attention,
+    merge_shared_blocks,
+    shared_blocks,
+)
 from liteboost.ops.blocks import BlockSize, block_shape, check_same_heads
 
 logger = logging.getLogger(__name__)
@@ -94,8 +98,18 @@ def fused_cpu_block_sparse_attention(
         return gather_block_sparse_attention(q, k, v, block_index, block_size, scale)
     q_block, kv_block = block_shape(block_size)
     b, n, sq, d = q.shape
-    rows = [t.reshape(b * n, t.shape[2], t.shape[3]).float() for t in (q, k, v)]
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    shared = shared_blocks(block_index, math.ceil(k.shape[2] / kv_block))
+    has_shared = bool(shared.any())
+    if has_shared:
+        # Blocks every row keeps run once for all queries at dense SDPA's rate (merged below).
+        listed = block_index >= 0
+        block_index = torch.where(listed & ~shared[block_index.clamp(min=0)], block_index, -1)
+    rows = [t.reshape(b * n, t.shape[2], t.shape[3]) for t in (qf, kf, vf)]
     index = block_index.reshape(b * n, block_index.shape[2], block_index.shape[3]).long()
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    out = kernel.block_sparse_attention(*rows, index, q_block, kv_block, scale)
-    return out.view(b, n, sq, v.shape[-1]).to(q.dtype)
+    out, lse = kernel.block_sparse_attention(*rows, index, q_block, kv_block, scale)
+    out, lse = out.view(b, n, sq, v.shape[-1]), lse.view(b, n, sq)
+    if has_shared:
+        out = merge_shared_blocks(qf, kf, vf, out, lse, shared, kv_block, scale)
+    return out.to(q.dtype)

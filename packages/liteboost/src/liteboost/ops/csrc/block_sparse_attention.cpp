@@ -43,6 +43,7 @@ struct Problem {
   const float* v;          // [BN, sk, dv]
   const int64_t* ids;      // [BN, nq, width], -1 padded
   float* out;              // [BN, sq, dv]
+  float* lse;              // [BN, sq]: log-sum-exp of each query's scaled scores
   int64_t sq, sk, d, dv, nq, width, q_block, kv_block;
   int64_t group;           // key blocks per softmax step
   int64_t score_ld;        // row stride of the score tile: group * kv_block
@@ -127,9 +128,12 @@ void attend_query_block(const Problem& p, Workspace& w, int64_t head, int64_t qb
     }
   }
   float* out = p.out + (head * p.sq + qb * p.q_block) * p.dv;
+  float* lse = p.lse + head * p.sq + qb * p.q_block;
   for (int64_t i = 0; i < rows; ++i) {
-    // A query block without key blocks gets zeros (its row sum stays 0).
-    const float inv = w.row_sum[i] > 0.f ? 1.f / w.row_sum[i] : 0.f;
+    // A query block without key blocks gets zeros and the lowest float as its log-sum-exp.
+    const bool attended = w.row_sum[i] > 0.f;
+    const float inv = attended ? 1.f / w.row_sum[i] : 0.f;
+    lse[i] = attended ? w.row_max[i] + std::log(w.row_sum[i]) : std::numeric_limits<float>::lowest();
 #pragma omp simd
     for (int64_t c = 0; c < p.dv; ++c) out[i * p.dv + c] = w.acc[i * p.dv + c] * inv;
   }
@@ -138,8 +142,8 @@ void attend_query_block(const Problem& p, Workspace& w, int64_t head, int64_t qb
 }  // namespace
 
 // q [BN, Sq, D], k [BN, Sk, D], v [BN, Sk, Dv] fp32; block_index int64 [BN, nq, K] key-block ids,
-// -1 padded anywhere, each id at most once per row. Returns [BN, Sq, Dv].
-torch::Tensor block_sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+// -1 padded anywhere, each id at most once per row. Returns (out [BN, Sq, Dv], lse [BN, Sq]).
+std::tuple<torch::Tensor, torch::Tensor> block_sparse_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                      torch::Tensor block_index, int64_t q_block,
                                      int64_t kv_block, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [BN, S, D]");
@@ -164,16 +168,18 @@ torch::Tensor block_sparse_attention(torch::Tensor q, torch::Tensor k, torch::Te
   v = v.contiguous();
   block_index = block_index.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  auto lse = torch::empty({q.size(0), q.size(1)}, q.options());
   const int64_t group = std::max<int64_t>(1, kScoreCols / kv_block);
   const Problem p{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                  block_index.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(1), k.size(1),
+                  block_index.data_ptr<int64_t>(), out.data_ptr<float>(), lse.data_ptr<float>(),
+                  q.size(1), k.size(1),
                   q.size(2), v.size(2), block_index.size(1), block_index.size(2), q_block,
                   kv_block, group, group * kv_block, static_cast<float>(scale)};
   at::parallel_for(0, q.size(0) * p.nq, 1, [&](int64_t begin, int64_t end) {
     Workspace w(p);
     for (int64_t task = begin; task < end; ++task) attend_query_block(p, w, task / p.nq, task % p.nq);
   });
-  return out;
+  return {out, lse};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
