@@ -3,7 +3,8 @@
 ``torch.utils.cpp_extension`` compiles it on first use (about 50 s on two cores) into torch's
 extension cache and loads it from there afterwards. It is forward-only fp32: other dtypes are
 computed in fp32, and when autograd records, or where no C++ toolchain is available (logged once),
-the block-gather kernel runs instead.
+the block-gather kernel runs instead. Key blocks that every query row keeps are left to one dense
+SDPA call over all queries and merged through the kernel's log-sum-exp, as in ``block_gather``.
 """
 
 from __future__ import annotations
