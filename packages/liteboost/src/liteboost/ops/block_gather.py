@@ -43,16 +43,16 @@ def shared_blocks(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor
     return rows.all(0)
 
 
-def _global_block_ids(
-    block_index: torch.Tensor, num_kv_blocks: int, drop: torch.Tensor
-) -> torch.Tensor:
-    """Key-block ids [B*N*nq, K] into the flattened (batch, head, block) rows; -1 padding last.
+def without_blocks(block_index: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """``block_index`` with the key blocks marked in ``drop`` (bool [nk]) replaced by -1."""
+    keep = (block_index >= 0) & ~drop[block_index.clamp(min=0).long()]
+    return torch.where(keep, block_index, -1)
 
-    Blocks marked in ``drop`` (bool [nk]) are removed from every row.
-    """
+
+def _global_block_ids(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
+    """Key-block ids [B*N*nq, K] into the flattened (batch, head, block) rows; -1 padding last."""
     b, n, nq, width = block_index.shape
     ids = block_index.reshape(b * n, nq, width).long()
-    ids = torch.where((ids >= 0) & ~drop[ids.clamp(min=0)], ids, -1)
     # Sorting descending moves every -1 behind the valid ids: softmax does not care about order.
     ids = ids.sort(dim=-1, descending=True).values
     offset = torch.arange(b * n, device=ids.device).view(-1, 1, 1) * num_kv_blocks
@@ -133,7 +133,7 @@ def gather_block_sparse_attention(
     split = q.device.type == "cpu" and not needs_grad and bool(shared.any())
     if not split:
         shared = torch.zeros_like(shared)
-    ids = _global_block_ids(block_index, nk, drop=shared)
+    ids = _global_block_ids(without_blocks(block_index, shared), nk)
     counts = (ids >= 0).sum(-1)
 
     out = q.new_zeros(b * n * nq, q_block, dv)

@@ -23,6 +23,7 @@ from liteboost.ops.block_gather import (
     gather_block_sparse_attention,
     merge_shared_blocks,
     shared_blocks,
+    without_blocks,
 )
 from liteboost.ops.blocks import BlockSize, block_shape, check_same_heads
 
@@ -104,8 +105,7 @@ def fused_cpu_block_sparse_attention(
     has_shared = bool(shared.any())
     if has_shared:
         # Blocks every row keeps run once for all queries at dense SDPA's rate (merged below).
-        listed = block_index >= 0
-        block_index = torch.where(listed & ~shared[block_index.clamp(min=0)], block_index, -1)
+        block_index = without_blocks(block_index, shared)
     rows = [t.reshape(b * n, t.shape[2], t.shape[3]) for t in (qf, kf, vf)]
     index = block_index.reshape(b * n, block_index.shape[2], block_index.shape[3]).long()
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
