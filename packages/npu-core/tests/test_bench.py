@@ -7,6 +7,7 @@ import statistics
 import time
 
 import pytest
+import torch
 
 from npu_core import bench
 
@@ -92,6 +93,21 @@ def test_markdown_formats_header_rows_and_numbers():
     assert lines[3] == "| --- | ---: | ---: |"
     assert lines[4] == "| small | 0.123 | 3 |"
     assert lines[5] == "| big\\|one | 1235 |  |"
+    assert lines[-1].startswith("Machine: ")
+
+
+def test_tables_name_the_machine_they_ran_on(monkeypatch):
+    """JSON and Markdown carry the CPU, its ISA, bf16 support, threads and any ISA cap."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    info = bench.environment_info()
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["threads"] == torch.get_num_threads()
+    assert isinstance(info["cpu_native_bf16"], bool) and isinstance(info["cpu_amx"], bool)
+    assert info["isa_caps"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    line = bench.machine_line(info)
+    assert info["cpu_model"] in line and info["cpu_capability"] in line
+    assert f"{info['threads']} threads" in line and "ONEDNN_MAX_CPU_ISA=AVX2" in line
+    assert bench.BenchTable("t", ["a"]).to_json()["environment"]["isa_caps"]
 
 
 def test_add_rejects_unknown_columns():

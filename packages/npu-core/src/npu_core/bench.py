@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from npu_core import env
+from npu_core.capability import cpu_info
 from npu_core.device import detect_backend, device_module
 
 
@@ -195,20 +197,48 @@ def compare(
 
 
 def environment_info() -> dict[str, Any]:
-    """Software and hardware that produced a result; nothing that identifies the machine."""
+    """Software and hardware that produced a result; nothing that identifies the machine.
+
+    The CPU fields matter even for accelerator runs: the same benchmark on an AVX-512 CPU with
+    native bf16 and on an AVX2-only one (bf16 emulated, ~75x slower GEMMs) gives different tables,
+    and a table that does not say which it came from cannot be compared with anything.
+    """
     backend = detect_backend()
+    cpu = cpu_info()
     info: dict[str, Any] = {
         "torch": torch.__version__,
         "backend": backend.value,
         "python": platform.python_version(),
         "platform": f"{platform.system()}-{platform.machine()}",
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu.model,
+        "cpu_capability": cpu.isa,
+        "cpu_native_bf16": cpu.native_bf16,
+        "cpu_amx": cpu.amx,
+        "threads": torch.get_num_threads(),
     }
+    caps = {name: env.read(name) for name in (env.ATEN_CPU_CAPABILITY, env.ONEDNN_MAX_CPU_ISA)}
+    info["isa_caps"] = {name: value for name, value in caps.items() if value is not None}
     module = device_module(backend)
     if module is not None:
         info["device_count"] = module.device_count()
         info["device_name"] = module.get_device_name(module.current_device())
     return info
+
+
+def machine_line(info: dict[str, Any] | None = None) -> str:
+    """One Markdown line naming the machine of :func:`environment_info`, for under a table."""
+    info = environment_info() if info is None else info
+    cpu = f"{info['cpu_model']} ({info['cpu_capability']}"
+    cpu += ", native bf16" if info.get("cpu_native_bf16") else ", no native bf16"
+    cpu += ", AMX)" if info.get("cpu_amx") else ")"
+    parts = [f"{info['backend']}", cpu, f"{info['cpu_count']} cores", f"{info['threads']} threads"]
+    if info.get("isa_caps"):
+        parts.append(" ".join(f"{k}={v}" for k, v in info["isa_caps"].items()))
+    if "device_name" in info:
+        parts.append(f"{info['device_count']} x {info['device_name']}")
+    parts.append(f"torch {info['torch']}")
+    return "Machine: " + "; ".join(parts)
 
 
 def _format_cell(value: object) -> str:
@@ -255,6 +285,7 @@ class BenchTable:
         lines.append("| " + " | ".join(align) + " |")
         for row in self.rows:
             lines.append("| " + " | ".join(_format_cell(row.get(c)) for c in self.columns) + " |")
+        lines += ["", machine_line()]
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, Any]:

@@ -18,3 +18,13 @@ def read(name: str) -> str | None:
     """Return the stripped value of ``name``, or None when it is unset or empty."""
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+ATEN_CPU_CAPABILITY = "ATEN_CPU_CAPABILITY"
+"""Read, never set: caps the vector ISA ATen dispatches to (e.g. ``avx2`` on an AVX-512 CPU)."""
+
+ONEDNN_MAX_CPU_ISA = "ONEDNN_MAX_CPU_ISA"
+"""Read, never set: caps oneDNN's ISA (CPU bf16 GEMMs, convolutions); stamped on benchmarks."""
+
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+"""Read, never set by npu_core: a user's explicit intra-op thread count per process."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from npu_core.capability import threads_per_process
 from npu_core.device import comm_backend
 
 LOOPBACK = "127.0.0.1"
@@ -55,12 +56,6 @@ def find_free_port(host: str = LOOPBACK) -> int:
         return sock.getsockname()[1]
 
 
-def _threads_per_rank(world_size: int) -> int:
-    # N ranks each running a full-width intra-op pool thrash a small machine; torchrun makes the
-    # same choice (OMP_NUM_THREADS=1 when several ranks share a node).
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def _rank_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -80,7 +75,7 @@ def _rank_main(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    torch.set_num_threads(_threads_per_rank(world_size))
+    torch.set_num_threads(threads_per_process(world_size))
     try:
         if backend is not None:
             torch.distributed.init_process_group(
