@@ -5,6 +5,9 @@
     all of them, and keeps its own rows;
 (c) hyperparallel Muon: each matrix orthogonalised once in the job, packed gathers, overlap.
 Plus a batched-NS micro-benchmark: the strategy ``orthogonalize`` picks versus a plain loop.
+Newton-Schulz computes in the dtype ``ns_dtype="auto"`` picks on the machine (bf16 where bf16
+GEMMs are native, fp32 elsewhere); torch.optim.Muon always computes in bf16. Run it once as is and
+once with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to see an AVX2-only CPU.
 
 Run: ``uv run nox -s bench`` or ``uv run python packages/hyperparallel/benchmarks/muon_step.py
 --out DIR``.
@@ -124,6 +127,7 @@ def _rank(experts: bool) -> dict:
         p.shape[0] * _ns_flops(p.shape[1], p.shape[2]) for _, p in expert_rows
     )
     return {
+        "ns_dtype": str(ns.resolve_ns_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
         "times": {k: statistics.median(v) for k, v in times.items()},
         "peak_mb": {k: v / 2**20 for k, v in peaks.items()},
         "ns_matrices_c": len(mine) + local_experts,
@@ -139,6 +143,7 @@ def _step_table() -> BenchTable:
         [
             "model",
             "variant",
+            "NS dtype",
             "step (ms)",
             "speedup vs gather-all",
             "speedup vs torch",
@@ -156,6 +161,7 @@ def _step_table() -> BenchTable:
             row = {
                 "model": label,
                 "variant": name,
+                "NS dtype": "bfloat16" if name == "torch.optim.Muon" else ranks[0]["ns_dtype"],
                 "step (ms)": seconds * 1e3,
                 "speedup vs gather-all": times["gather-all"] / seconds,
                 "speedup vs torch": times["torch.optim.Muon"] / seconds
@@ -179,8 +185,9 @@ def _step_table() -> BenchTable:
 def _batching_table() -> BenchTable:
     table = BenchTable(
         "Batched Newton-Schulz on one CPU process: chosen strategy versus a plain loop",
-        ["matrices", "dtype", "loop (ms)", "batched (ms)", "auto (ms)", "auto / loop"],
+        ["matrices", "dtype", "NS dtype", "loop (ms)", "batched (ms)", "auto (ms)", "auto / loop"],
     )
+    ns_dtype = str(ns.resolve_ns_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     keller = ns.resolve_coefficients("keller", STEPS_NS)
     for count, shape in ((74, (24, 10240)), (200, (64, 64))):
         mats = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(count)]
@@ -195,6 +202,7 @@ def _batching_table() -> BenchTable:
             matrices=f"{count} x {list(shape)}",
             dtype="bf16",
             **{
+                "NS dtype": ns_dtype,
                 "loop (ms)": loop_vs_auto.baseline.median * 1e3,
                 "batched (ms)": batched.candidate.median * 1e3,
                 "auto (ms)": loop_vs_auto.candidate.median * 1e3,

@@ -48,7 +48,7 @@ def _rank_main(cfg: TrainConfig, resume: bool):
         def on_step(record: dict[str, float]) -> None:
             status = (
                 f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
-                f"optim {record['optim_ms']:.0f} ms"
+                f"backward {record['backward_ms']:.0f} ms  optim {record['optim_ms']:.0f} ms"
             )
             if "val_loss" in record:
                 status += f"  val {record['val_loss']:.3f}"

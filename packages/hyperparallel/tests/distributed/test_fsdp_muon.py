@@ -37,7 +37,7 @@ def _grads(model: nn.Module, step: int) -> list[torch.Tensor]:
 def _reference(steps: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Mixed()
-    opt = Muon(model.parameters(), lr=0.05)
+    opt = Muon(model.parameters(), lr=0.05, ns_dtype="bf16")
     for step in range(steps):
         for p, g in zip(model.parameters(), _grads(model, step), strict=True):
             p.grad = g
@@ -50,7 +50,7 @@ def _sharded(mesh_shape: tuple[int, ...], steps: int) -> list[list[float]]:
     model = Mixed()
     full = copy.deepcopy(model)
     fully_shard(model, mesh=build_mesh(mesh_shape, "cpu"))
-    opt = Muon(model.parameters(), lr=0.05)
+    opt = Muon(model.parameters(), lr=0.05, ns_dtype="bf16")
     for step in range(steps):
         for p, g in zip(model.parameters(), _grads(full, step), strict=True):
             p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)

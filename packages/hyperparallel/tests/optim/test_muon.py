@@ -30,7 +30,9 @@ def test_muon_matches_torch_muon(adjust_lr, nesterov):
     """Several steps on square, tall and wide matrices equal torch.optim.Muon within 1e-6."""
     ours, ref = _params(SHAPES), _params(SHAPES)
     hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": nesterov}
-    opt = Muon(ours, adjust_lr=adjust_lr, ns_coefficients="keller", ns_steps=5, **hyper)
+    opt = Muon(
+        ours, adjust_lr=adjust_lr, ns_coefficients="keller", ns_steps=5, ns_dtype="bf16", **hyper
+    )
     ref_opt = torch.optim.Muon(ref, adjust_lr_fn=adjust_lr, **hyper)
     for step in range(4):
         _set_grads(ours, step)
@@ -42,6 +44,26 @@ def test_muon_matches_torch_muon(adjust_lr, nesterov):
         torch.testing.assert_close(
             opt.state[p]["momentum_buffer"], ref_opt.state[r]["momentum_buffer"], rtol=0, atol=0
         )
+
+
+def test_muon_auto_dtype_is_fp32_where_bf16_gemms_are_slow(monkeypatch):
+    """On a device whose bf16 GEMMs are emulated, the default Muon steps in fp32: its update
+    equals an fp32 Newton-Schulz run, not the bf16 one torch.optim.Muon would take."""
+    from npu_core import capability
+
+    monkeypatch.setattr(capability, "fast_matmul", lambda device, dtype: False)
+    ours, fp32, bf16 = _params([(12, 20)]), _params([(12, 20)]), _params([(12, 20)])
+    optimizers = [Muon(ours), Muon(fp32, ns_dtype="fp32"), Muon(bf16, ns_dtype="bf16")]
+    for params, opt in zip((ours, fp32, bf16), optimizers, strict=True):
+        _set_grads(params, 0)
+        opt.step()
+    assert torch.equal(ours[0], fp32[0])
+    assert not torch.equal(ours[0], bf16[0])
+    monkeypatch.setattr(capability, "fast_matmul", lambda device, dtype: True)
+    fast = _params([(12, 20)])
+    _set_grads(fast, 0)
+    Muon(fast).step()
+    assert torch.equal(fast[0], bf16[0])
 
 
 def test_muon_experts_are_independent_matrices():
@@ -83,6 +105,8 @@ def test_muon_conv_weight_is_flattened():
         ([torch.ones(3, 3)], {"ns_steps": 0}, r"ns_steps=0 is invalid"),
         ([torch.ones(3, 3)], {"ns_coefficients": "fast"}, r"ns_coefficients='fast'"),
         ([torch.ones(3, 3)], {"adjust_lr": "none"}, r"adjust_lr='none' is invalid"),
+        ([torch.ones(3, 3)], {"ns_dtype": "fp8"}, r"ns_dtype='fp8' is invalid; use one of"),
+        ([{"params": [torch.ones(3, 3)], "ns_dtype": "fp32"}], {}, r"sets \['ns_dtype'\]"),
         ([{"params": [torch.ones(3, 3)], "ns_steps": 3}], {}, r"group 0 sets \['ns_steps'\]"),
         ([{"params": [torch.ones(3, 3)], "lr": -1.0}], {}, r"param group 0: lr=-1.0"),
     ],

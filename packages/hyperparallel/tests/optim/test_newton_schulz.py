@@ -16,7 +16,7 @@ from hyperparallel.optim.newton_schulz import (
     orthogonalize,
     resolve_coefficients,
 )
-from npu_core.bench import Timing
+from npu_core.bench import Comparison, Timing
 
 KELLER_5 = resolve_coefficients("keller", 5)
 
@@ -126,32 +126,97 @@ def _mixed_matrices() -> list[torch.Tensor]:
     ]
 
 
-def test_orthogonalize_batched_equals_loop_and_per_matrix():
-    """Both strategies give per-matrix NS, in input order, shape and dtype."""
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# bmm and mm may sum in different orders: fp32 results differ in the last bits, bf16 results
+# round both to the same bf16 numbers.
+AGREEMENT = {"bf16": {"rtol": 1e-6, "atol": 0}, "fp32": {"rtol": 0, "atol": 1e-5}}
+
+
+@pytest.mark.parametrize("ns_dtype", NS_DTYPES)
+def test_orthogonalize_batched_equals_loop_and_per_matrix(ns_dtype):
+    """Both strategies give per-matrix NS in the chosen dtype, in input order, shape and dtype."""
     matrices = _mixed_matrices()
-    batched = orthogonalize(matrices, KELLER_5, strategy="batched")
-    loop = orthogonalize(matrices, KELLER_5, strategy="loop")
+    batched = orthogonalize(matrices, KELLER_5, strategy="batched", ns_dtype=ns_dtype)
+    loop = orthogonalize(matrices, KELLER_5, strategy="loop", ns_dtype=ns_dtype)
     for m, b, lp in zip(matrices, batched, loop, strict=True):
         assert b.shape == m.shape and b.dtype == m.dtype
-        torch.testing.assert_close(b, lp, rtol=1e-6, atol=0)
-        torch.testing.assert_close(b, newton_schulz(m, KELLER_5), rtol=1e-6, atol=0)
+        torch.testing.assert_close(b, lp, **AGREEMENT[ns_dtype])
+        expected = newton_schulz(m, KELLER_5, dtype=NS_DTYPES[ns_dtype])
+        torch.testing.assert_close(b, expected, **AGREEMENT[ns_dtype])
 
 
 def test_orthogonalize_experts_equal_per_expert_ns():
     """[E, M, N] is E independent matrices."""
     experts = _randn(5, 12, 8, seed=7)
-    (out,) = orthogonalize([experts], KELLER_5, strategy="batched")
+    (out,) = orthogonalize([experts], KELLER_5, strategy="batched", ns_dtype="bf16")
     for e in range(5):
         torch.testing.assert_close(out[e], newton_schulz(experts[e], KELLER_5), rtol=1e-6, atol=0)
+
+
+def test_fp32_newton_schulz_tracks_fp64_and_bf16_tracks_it_loosely():
+    """fp32 is the same iteration as an fp64 run to ~1e-5; bf16 agrees to bf16 precision."""
+    g = _randn(2, 24, 40, seed=11)
+    exact = newton_schulz(g.double(), KELLER_5, dtype=torch.float64)
+    fp32 = newton_schulz(g, KELLER_5, dtype=torch.float32)
+    bf16 = newton_schulz(g, KELLER_5, dtype=torch.bfloat16)
+    torch.testing.assert_close(fp32.double(), exact, rtol=0, atol=1e-5)
+    torch.testing.assert_close(bf16.double(), exact, rtol=0, atol=0.05)
+    assert (bf16.double() - exact).abs().max() > (fp32.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize(
+    ("spec", "fast_bf16", "expected"),
+    [
+        ("auto", True, torch.bfloat16),
+        ("auto", False, torch.float32),
+        ("bf16", False, torch.bfloat16),
+        ("fp32", True, torch.float32),
+        ("fp16", True, torch.float16),
+        (torch.float32, True, torch.float32),
+    ],
+)
+def test_ns_dtype_auto_follows_the_device_probe(spec, fast_bf16, expected):
+    """auto is bf16 only where bf16 GEMMs are fast; explicit settings ignore the probe."""
+    asked = []
+
+    def probe(device, dtype):
+        asked.append((device, dtype))
+        return fast_bf16
+
+    assert ns.resolve_ns_dtype(spec, torch.device("cpu"), probe) is expected
+    assert asked == ([(torch.device("cpu"), torch.bfloat16)] if spec == "auto" else [])
+
+
+def test_orthogonalize_auto_dtype_runs_in_the_probed_dtype(monkeypatch):
+    """On a device without fast bf16, auto computes in fp32: results equal fp32 NS exactly."""
+    matrices = [_randn(12, 20, seed=s) for s in range(3)]
+    seen = []
+    real = ns.newton_schulz
+
+    def recording(g, coefficients, eps=1e-7, dtype=torch.bfloat16):
+        seen.append(dtype)
+        return real(g, coefficients, eps, dtype)
+
+    monkeypatch.setattr(ns, "newton_schulz", recording)
+    out = orthogonalize(matrices, KELLER_5, strategy="loop", fast_matmul=lambda d, t: False)
+    assert set(seen) == {torch.float32}
+    for m, o in zip(matrices, out, strict=True):
+        assert torch.equal(o, real(m, KELLER_5, dtype=torch.float32))
+
+
+def test_ns_dtype_errors_name_the_value():
+    """An unknown ns_dtype lists what is allowed."""
+    with pytest.raises(ValueError, match=r"ns_dtype='int8' is invalid; use one of 'auto'"):
+        orthogonalize([torch.ones(2, 2)], KELLER_5, ns_dtype="int8")
 
 
 def _record_batch_sizes(monkeypatch) -> list[int]:
     sizes: list[int] = []
     real = ns._run_batch
 
-    def recording(stacked, coefficients, eps, strategy):
+    def recording(stacked, kernel, strategy):
         sizes.append(stacked.shape[0])
-        return real(stacked, coefficients, eps, strategy)
+        return real(stacked, kernel, strategy)
 
     monkeypatch.setattr(ns, "_run_batch", recording)
     return sizes
@@ -160,13 +225,28 @@ def _record_batch_sizes(monkeypatch) -> list[int]:
 def test_orthogonalize_memory_budget_splits_batches(monkeypatch):
     """A budget for three [16, 16] matrices runs ten of them as 3 + 3 + 3 + 1, same results."""
     matrices = [_randn(16, 16, seed=s) for s in range(10)]
-    unbounded = orthogonalize(matrices, KELLER_5, strategy="batched")
+    unbounded = orthogonalize(matrices, KELLER_5, strategy="batched", ns_dtype="bf16")
     sizes = _record_batch_sizes(monkeypatch)
     budget = estimate_batch_bytes(16, 16, 3, torch.float32)
-    capped = orthogonalize(matrices, KELLER_5, memory_budget_bytes=budget, strategy="batched")
+    capped = orthogonalize(
+        matrices, KELLER_5, memory_budget_bytes=budget, strategy="batched", ns_dtype="bf16"
+    )
     assert sizes == [3, 3, 3, 1]
     for a, b in zip(unbounded, capped, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_memory_budget_counts_the_compute_dtype(monkeypatch):
+    """fp32 iterates take twice bf16's bytes: the same budget holds fewer matrices per batch."""
+    matrices = [_randn(16, 16, seed=s) for s in range(6)]
+    sizes = _record_batch_sizes(monkeypatch)
+    budget = estimate_batch_bytes(16, 16, 3, torch.float32, torch.bfloat16)
+    assert budget < estimate_batch_bytes(16, 16, 3, torch.float32, torch.float32)
+    orthogonalize(matrices, KELLER_5, memory_budget_bytes=budget, ns_dtype="bf16")
+    assert sizes == [3, 3]
+    sizes.clear()
+    orthogonalize(matrices, KELLER_5, memory_budget_bytes=budget, ns_dtype="fp32")
+    assert max(sizes) < 3 and sum(sizes) == 6
 
 
 def test_orthogonalize_memory_budget_splits_expert_tensor(monkeypatch):
@@ -174,31 +254,35 @@ def test_orthogonalize_memory_budget_splits_expert_tensor(monkeypatch):
     experts = _randn(7, 8, 8, seed=8)
     sizes = _record_batch_sizes(monkeypatch)
     budget = estimate_batch_bytes(8, 8, 3, torch.float32)
-    (out,) = orthogonalize([experts], KELLER_5, memory_budget_bytes=budget, strategy="batched")
+    (out,) = orthogonalize(
+        [experts], KELLER_5, memory_budget_bytes=budget, strategy="batched", ns_dtype="bf16"
+    )
     assert sizes == [3, 3, 1]
     for e in range(7):
         torch.testing.assert_close(out[e], newton_schulz(experts[e], KELLER_5), rtol=1e-6, atol=0)
 
 
 def test_orthogonalize_auto_measures_once_and_caches(monkeypatch):
-    """auto times both strategies on the first sight of a key, then reuses the faster."""
-    calls: list[int] = []
+    """auto times both strategies in interleaved rounds on the first sight of a key, then reuses
+    the faster for that key in this process."""
+    calls: list[tuple[int, int]] = []
 
-    def fake_measure(fn, *, warmup, repeats, sync):
-        assert (warmup, repeats) == (1, 3)
-        calls.append(1)
-        fn()
-        # The first call times "batched", the second "loop": make the loop win.
-        return Timing((2.0,) if len(calls) % 2 == 1 else (1.0,))
+    def fake_compare(baseline, candidate, *, warmup, repeats, sync):
+        calls.append((warmup, repeats))
+        baseline()
+        candidate()
+        # baseline is the loop, candidate the batched run: make the loop win every round.
+        return Comparison(Timing((1.0,)), Timing((2.0,)), ratios=(0.5,) * repeats)
 
-    monkeypatch.setattr(ns, "measure", fake_measure)
+    monkeypatch.setattr(ns, "compare", fake_compare)
     matrices = [_randn(8, 8, seed=s) for s in range(4)]
-    first = orthogonalize(matrices, KELLER_5)
-    assert len(calls) == 2
+    first = orthogonalize(matrices, KELLER_5, ns_dtype="fp32")
+    assert len(calls) == 1 and calls[0][1] >= 3
     cache = ns._STRATEGY_CACHE
-    assert cache == {(8, 8, torch.float32, torch.device("cpu"), 4): Strategy.LOOP}
-    second = orthogonalize(matrices, KELLER_5)
-    assert len(calls) == 2
+    key = (8, 8, torch.float32, torch.float32, torch.device("cpu"), 4)
+    assert cache == {key: Strategy.LOOP}
+    second = orthogonalize(matrices, KELLER_5, ns_dtype="fp32")
+    assert len(calls) == 1
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
 

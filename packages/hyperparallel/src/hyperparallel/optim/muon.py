@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hyperparallel.optim import newton_schulz
-from hyperparallel.optim.newton_schulz import CoefficientSpec
+from hyperparallel.optim.newton_schulz import CoefficientSpec, NsDtype
 
 Engine = Callable[[list[Tensor], list[Tensor]], list[Tensor]]
 
@@ -31,7 +31,7 @@ ParamLabel = str | int
 
 # Kernel settings shared by every group: one Newton-Schulz configuration lets all same-shape
 # matrices of the model run as one batch. Group dicts that try to override them are refused.
-_OPTIMIZER_WIDE = ("ns_steps", "ns_coefficients", "eps", "memory_budget_bytes")
+_OPTIMIZER_WIDE = ("ns_steps", "ns_coefficients", "ns_dtype", "eps", "memory_budget_bytes")
 
 
 class AdjustLR(enum.StrEnum):
@@ -94,13 +94,17 @@ class Muon(torch.optim.Optimizer):
     ``p -= adjusted_lr * update``. With ``adjust_lr="original"`` and ``ns_coefficients="keller"``
     this equals ``torch.optim.Muon(..., adjust_lr_fn="original")`` on 2-D parameters. Beyond torch:
     [E, M, N] expert weights are E independent matrices, conv weights [O, I, kh, kw] are
-    orthogonalised as [O, I * kh * kw], same-shape matrices run as one batched kernel, and a
-    parameter whose gradient holds NaN or inf is skipped for that step.
+    orthogonalised as [O, I * kh * kw], same-shape matrices run as one batched kernel, a
+    parameter whose gradient holds NaN or inf is skipped for that step, and Newton-Schulz computes
+    in the dtype the device multiplies fastest (``ns_dtype="auto"``: bf16 where bf16 GEMMs are
+    native, fp32 on CPUs that would emulate them ~75x slower; ``ns_dtype="bf16"`` for bit
+    equality with torch.optim.Muon everywhere).
 
     Attributes:
         skipped_steps: Counter, parameter label (name, or flat index when unnamed) -> number of
             steps skipped because that parameter's gradient was not finite.
         ns_coefficients: The resolved (a, b, c) of every Newton-Schulz step.
+        ns_dtype: The Newton-Schulz compute dtype setting (resolved per device at the first step).
         eps: Lower bound of each matrix's norm inside Newton-Schulz.
         memory_budget_bytes: Cap on one Newton-Schulz batch's estimated memory (None: no cap).
     """
@@ -118,6 +122,7 @@ class Muon(torch.optim.Optimizer):
         matched_adamw_rms: float = 0.2,
         eps: float = 1e-7,
         memory_budget_bytes: int | None = None,
+        ns_dtype: NsDtype | str | torch.dtype = NsDtype.AUTO,
     ) -> None:
         """Build the optimizer; every error is raised here rather than at the first step.
 
@@ -135,6 +140,9 @@ class Muon(torch.optim.Optimizer):
             eps: Lower bound of each matrix's norm in Newton-Schulz, > 0.
             memory_budget_bytes: Cap on one Newton-Schulz batch's estimated memory; None for no
                 cap.
+            ns_dtype: Newton-Schulz compute dtype: ``"auto"`` (bf16 where the device has fast
+                bf16 GEMMs, decided from its capability and one timing cached per device; fp32
+                elsewhere), ``"bf16"`` (equal to torch.optim.Muon), ``"fp32"`` or ``"fp16"``.
 
         Raises:
             ValueError: A hyperparameter is out of range, a group overrides a Newton-Schulz
@@ -144,6 +152,7 @@ class Muon(torch.optim.Optimizer):
         if not (isinstance(eps, int | float) and eps > 0):
             raise ValueError(f"Muon: eps={eps!r} is invalid; it must be a number > 0")
         newton_schulz.check_memory_budget(memory_budget_bytes, owner="Muon: ")
+        self.ns_dtype = newton_schulz.check_ns_dtype(ns_dtype)
         self.eps = float(eps)
         self.memory_budget_bytes = memory_budget_bytes
         self.skipped_steps: collections.Counter[ParamLabel] = collections.Counter()
@@ -244,6 +253,7 @@ class Muon(torch.optim.Optimizer):
             self.ns_coefficients,
             eps=self.eps,
             memory_budget_bytes=self.memory_budget_bytes,
+            ns_dtype=self.ns_dtype,
         )
 
     def _check_engine(self, params: Sequence[Tensor]) -> None:

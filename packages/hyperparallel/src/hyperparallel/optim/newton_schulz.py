@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from npu_core.bench import measure
+from npu_core import capability
+from npu_core.bench import compare
 from npu_core.device import Backend, device_module
 
 Coefficients = tuple[float, float, float]
@@ -66,6 +68,64 @@ class Strategy(enum.StrEnum):
     """Stack into [B, M, N] and run one batched iteration."""
     LOOP = "loop"
     """One matrix at a time."""
+
+
+class NsDtype(enum.StrEnum):
+    """The dtype Newton-Schulz computes in (inputs and results keep their own dtype)."""
+
+    AUTO = "auto"
+    """bf16 where the device multiplies bf16 at least as fast as fp32 (CUDA sm80+, Ascend, CPUs
+    with AVX512-BF16 / AMX / Arm BF16, confirmed by one timing), fp32 elsewhere: on an AVX2-only
+    CPU a bf16 GEMM is emulated and ~75x slower than fp32."""
+    BF16 = "bf16"
+    """bf16 always: bit for bit ``torch.optim.Muon``, whatever it costs on this device."""
+    FP32 = "fp32"
+    """fp32 always: the most accurate, the fast choice on CPUs without native bf16."""
+    FP16 = "fp16"
+    """fp16 always (inputs are normalised, so the iteration stays in range)."""
+
+
+_NS_TORCH_DTYPES = {
+    NsDtype.BF16: torch.bfloat16,
+    NsDtype.FP32: torch.float32,
+    NsDtype.FP16: torch.float16,
+}
+
+
+def check_ns_dtype(spec: object) -> NsDtype:
+    """Parse an ``ns_dtype`` argument: a :class:`NsDtype` name or one of its torch dtypes."""
+    for name, dtype in _NS_TORCH_DTYPES.items():
+        if spec is dtype:
+            return name
+    try:
+        return NsDtype(spec)
+    except ValueError:
+        allowed = ", ".join(repr(d.value) for d in NsDtype)
+        raise ValueError(
+            f"ns_dtype={spec!r} is invalid; use one of {allowed} (or torch.bfloat16, "
+            "torch.float32, torch.float16)"
+        ) from None
+
+
+def resolve_ns_dtype(
+    spec: NsDtype | str | torch.dtype,
+    device: torch.device,
+    fast_matmul: capability.MatmulSpeedProbe | None = None,
+) -> torch.dtype:
+    """The torch dtype Newton-Schulz runs in on ``device`` for an ``ns_dtype`` setting.
+
+    Args:
+        spec: See :class:`NsDtype`.
+        device: Where the matrices are.
+        fast_matmul: (device, dtype) -> whether that dtype's GEMMs are fast there; None asks
+            :func:`npu_core.capability.fast_matmul` (the capability, confirmed by one timing per
+            device and process). Tests inject their own.
+    """
+    name = check_ns_dtype(spec)
+    if name is not NsDtype.AUTO:
+        return _NS_TORCH_DTYPES[name]
+    probe = capability.fast_matmul if fast_matmul is None else fast_matmul
+    return torch.bfloat16 if probe(device, torch.bfloat16) else torch.float32
 
 
 def _polar_express_schedule(steps: int) -> list[Coefficients]:
@@ -121,22 +181,28 @@ def _is_finite_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def newton_schulz(g: Tensor, coefficients: Sequence[Coefficients], eps: float = 1e-7) -> Tensor:
+def newton_schulz(
+    g: Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
     """Approximately orthogonalise each matrix of ``g`` (map U S V^T to about U V^T).
 
-    Matches ``torch.optim._muon._zeropower_via_newtonschulz`` bit for bit on 2-D inputs: the
-    iteration runs in bf16, the input is divided by its Frobenius norm (clamped below by ``eps``),
-    and a tall matrix is transposed so the Gram matrix is the smaller [min, min] one. Inputs with
+    With the default ``dtype=torch.bfloat16`` this matches
+    ``torch.optim._muon._zeropower_via_newtonschulz`` bit for bit on 2-D inputs: the iteration
+    runs in bf16, the input is divided by its Frobenius norm (clamped below by ``eps``), and a
+    tall matrix is transposed so the Gram matrix is the smaller [min, min] one. Inputs with
     leading dims are a batch: every matrix gets its own norm and the same transpose rule.
 
     Args:
         g: [..., M, N], floating point. Not modified.
         coefficients: One (a, b, c) per step, e.g. from :func:`resolve_coefficients`.
         eps: Lower bound of the norm, so an all-zero matrix maps to zeros instead of NaN.
+        dtype: The compute dtype (see :func:`resolve_ns_dtype` for choosing one per device).
 
     Returns:
-        [..., M, N] in ``g``'s dtype; the values are bf16 numbers (the cast back is exact for
-        fp32 and fp64).
+        [..., M, N] in ``g``'s dtype, computed in ``dtype``.
 
     Raises:
         ValueError: ``g`` has fewer than two dims or is not floating point, or no coefficients.
@@ -149,7 +215,7 @@ def newton_schulz(g: Tensor, coefficients: Sequence[Coefficients], eps: float = 
     if not coefficients:
         raise ValueError("newton_schulz needs at least one (a, b, c) step")
     tall = g.size(-2) > g.size(-1)
-    x = g.to(torch.bfloat16)
+    x = g.to(dtype)
     if tall:
         x = x.mT
     if g.ndim == 2:
@@ -183,16 +249,23 @@ def _iterate_batch(x: Tensor, coefficients: Sequence[Coefficients], eps: float) 
     return x
 
 
-def estimate_batch_bytes(rows: int, cols: int, count: int, dtype: torch.dtype) -> int:
+def estimate_batch_bytes(
+    rows: int,
+    cols: int,
+    count: int,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> int:
     """Peak memory estimate of running :func:`newton_schulz` on ``count`` [rows, cols] matrices.
 
-    Counts the stacked input and the result in ``dtype``, plus the bf16 working set at its peak:
-    two iterates [min, max] and the Gram matrix with its polynomial, two [min, min].
+    Counts the stacked input and the result in ``dtype``, plus the working set in
+    ``compute_dtype`` at its peak: two iterates [min, max] and the Gram matrix with its
+    polynomial, two [min, min].
     """
     small, large = min(rows, cols), max(rows, cols)
     itemsize = dtype.itemsize
-    bf16 = torch.bfloat16.itemsize
-    per_matrix = 2 * small * large * itemsize + bf16 * (2 * small * large + 2 * small * small)
+    work = compute_dtype.itemsize
+    per_matrix = 2 * small * large * itemsize + work * (2 * small * large + 2 * small * small)
     return count * per_matrix
 
 
@@ -206,15 +279,17 @@ class _Segment:
 
 
 def _plan_batches(
-    matrices: Sequence[Tensor], memory_budget_bytes: int | None
+    matrices: Sequence[Tensor],
+    memory_budget_bytes: int | None,
+    compute_dtype: Callable[[torch.device], torch.dtype],
 ) -> list[list[_Segment]]:
     """Group matrices by (M, N, dtype, device) and cut each group into budget-sized batches."""
     groups: dict[tuple[int, int, torch.dtype, torch.device], list[int]] = {}
     for i, m in enumerate(matrices):
         groups.setdefault((m.shape[-2], m.shape[-1], m.dtype, m.device), []).append(i)
     batches: list[list[_Segment]] = []
-    for (rows, cols, dtype, _), indices in groups.items():
-        per_matrix = estimate_batch_bytes(rows, cols, 1, dtype)
+    for (rows, cols, dtype, device), indices in groups.items():
+        per_matrix = estimate_batch_bytes(rows, cols, 1, dtype, compute_dtype(device))
         # A single matrix over the budget still runs, alone: there is nothing smaller to run.
         capacity = (
             math.inf if memory_budget_bytes is None else max(1, memory_budget_bytes // per_matrix)
@@ -246,15 +321,24 @@ def _stack(matrices: Sequence[Tensor], segments: Sequence[_Segment]) -> Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _run_batched(stacked: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
-    return newton_schulz(stacked, coefficients, eps)
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """One Newton-Schulz configuration, run on a [B, M, N] stack batched or one matrix at a time."""
+
+    coefficients: Sequence[Coefficients]
+    eps: float
+    dtype: torch.dtype
+
+    def batched(self, stacked: Tensor) -> Tensor:
+        return newton_schulz(stacked, self.coefficients, self.eps, self.dtype)
+
+    def loop(self, stacked: Tensor) -> Tensor:
+        return torch.stack(
+            [newton_schulz(m, self.coefficients, self.eps, self.dtype) for m in stacked]
+        )
 
 
-def _run_loop(stacked: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
-    return torch.stack([newton_schulz(m, coefficients, eps) for m in stacked])
-
-
-_StrategyKey = tuple[int, int, torch.dtype, torch.device, int]
+_StrategyKey = tuple[int, int, torch.dtype, torch.dtype, torch.device, int]
 _STRATEGY_CACHE: dict[_StrategyKey, Strategy] = {}
 
 
@@ -269,39 +353,38 @@ def _device_sync(device: torch.device) -> Callable[[], None]:
     return (lambda: None) if module is None else module.synchronize
 
 
-def _choose_strategy(stacked: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Strategy:
-    """Batched or loop for this batch, measured once per (M, N, dtype, device, count).
+def _choose_strategy(stacked: Tensor, kernel: _Kernel) -> Strategy:
+    """Batched or loop for this batch, measured once per (M, N, dtypes, device, count) and process.
 
-    Measured on this project's CPU (DESIGN.md): batching 200 [64, 64] matrices was 15x faster than
-    a loop, batching 74 [24, 10240] in bf16 was 3x slower; no static rule gets both right.
+    No static rule is right everywhere (DESIGN.md: batching 200 [64, 64] matrices was 15x faster
+    than a loop on one CPU, batching 74 [24, 10240] in bf16 3x slower), so it is measured on the
+    machine that runs it. The two run in alternating rounds and the per-round ratios decide, so a
+    burst of load from a neighbour slows both sides of a round instead of one choice; the choice
+    is kept for this process only, never written down for the next run on another machine.
     """
     count, rows, cols = stacked.shape
-    key = (rows, cols, stacked.dtype, stacked.device, count)
+    key = (rows, cols, stacked.dtype, kernel.dtype, stacked.device, count)
     choice = _STRATEGY_CACHE.get(key)
     if choice is None:
-        sync = _device_sync(stacked.device)
-        batched = measure(
-            lambda: _run_batched(stacked, coefficients, eps), warmup=1, repeats=3, sync=sync
+        result = compare(
+            lambda: kernel.loop(stacked),
+            lambda: kernel.batched(stacked),
+            warmup=1,
+            repeats=4,
+            sync=_device_sync(stacked.device),
         )
-        loop = measure(
-            lambda: _run_loop(stacked, coefficients, eps), warmup=1, repeats=3, sync=sync
-        )
-        choice = Strategy.BATCHED if batched.median <= loop.median else Strategy.LOOP
+        choice = Strategy.BATCHED if result.ratio_median >= 1.0 else Strategy.LOOP
         _STRATEGY_CACHE[key] = choice
     return choice
 
 
-def _run_batch(
-    stacked: Tensor, coefficients: Sequence[Coefficients], eps: float, strategy: Strategy
-) -> Tensor:
+def _run_batch(stacked: Tensor, kernel: _Kernel, strategy: Strategy) -> Tensor:
     """Orthogonalise a [B, M, N] stack with the given strategy (AUTO resolved here)."""
     if stacked.shape[0] == 1:
-        return _run_loop(stacked, coefficients, eps)
+        return kernel.loop(stacked)
     if strategy is Strategy.AUTO:
-        strategy = _choose_strategy(stacked, coefficients, eps)
-    if strategy is Strategy.BATCHED:
-        return _run_batched(stacked, coefficients, eps)
-    return _run_loop(stacked, coefficients, eps)
+        strategy = _choose_strategy(stacked, kernel)
+    return kernel.batched(stacked) if strategy is Strategy.BATCHED else kernel.loop(stacked)
 
 
 def check_memory_budget(memory_budget_bytes: object, owner: str = "") -> None:
@@ -324,6 +407,8 @@ def orthogonalize(
     eps: float = 1e-7,
     memory_budget_bytes: int | None = None,
     strategy: Strategy | str = Strategy.AUTO,
+    ns_dtype: NsDtype | str | torch.dtype = NsDtype.AUTO,
+    fast_matmul: capability.MatmulSpeedProbe | None = None,
 ) -> list[Tensor]:
     """Run :func:`newton_schulz` on many matrices, batching those of the same shape and dtype.
 
@@ -340,13 +425,15 @@ def orthogonalize(
         memory_budget_bytes: Cap on one batch's estimated working memory; None for no cap.
         strategy: ``"batched"``, ``"loop"``, or ``"auto"`` (measure both once per shape, dtype,
             device and batch size, then reuse the faster; see :func:`clear_strategy_cache`).
+        ns_dtype: The compute dtype, resolved per device by :func:`resolve_ns_dtype`.
+        fast_matmul: The speed probe ``ns_dtype="auto"`` asks (None: npu_core's; tests inject one).
 
     Returns:
         One tensor per input, same shape and dtype, in input order.
 
     Raises:
         ValueError: A matrix is not 2-D or 3-D floating point, the budget is not a positive int,
-            or the strategy is unknown.
+            the strategy or the ns_dtype is unknown.
     """
     for i, m in enumerate(matrices):
         if m.ndim not in (2, 3) or not m.is_floating_point():
@@ -361,9 +448,17 @@ def orthogonalize(
         allowed = ", ".join(repr(s.value) for s in Strategy)
         raise ValueError(f"strategy={strategy!r} is not one of {allowed}") from None
 
+    check_ns_dtype(ns_dtype)
+
+    @functools.cache
+    def compute_dtype(device: torch.device) -> torch.dtype:
+        return resolve_ns_dtype(ns_dtype, device, fast_matmul)
+
     pieces: list[list[Tensor]] = [[] for _ in matrices]
-    for segments in _plan_batches(matrices, memory_budget_bytes):
-        result = _run_batch(_stack(matrices, segments), coefficients, eps, chosen)
+    for segments in _plan_batches(matrices, memory_budget_bytes, compute_dtype):
+        stacked = _stack(matrices, segments)
+        kernel = _Kernel(coefficients, eps, compute_dtype(stacked.device))
+        result = _run_batch(stacked, kernel, chosen)
         offset = 0
         for s in segments:
             size = s.stop - s.start

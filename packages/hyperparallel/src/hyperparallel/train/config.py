@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -39,6 +39,11 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, times the lr.")
     balance_weight: float = Field(0.01, ge=0, description="Weight of the MoE load-balancing loss.")
+    ns_dtype: Literal["auto", "bf16", "fp32", "fp16"] = Field(
+        "auto",
+        description="Newton-Schulz compute dtype: auto is bf16 where the device has fast bf16 "
+        "GEMMs and fp32 elsewhere (CPUs without AVX512-BF16/AMX emulate bf16 ~75x slower).",
+    )
 
 
 class ParallelConfig(_Strict):

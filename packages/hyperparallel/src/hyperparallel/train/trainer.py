@@ -91,7 +91,11 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     apply_fsdp(model, build_mesh(parse_mesh(cfg.parallel.mesh, world), device.type))
     optimizer = get_hyper_optimizer(
         model,
-        muon={"lr": cfg.optim.muon_lr, "weight_decay": cfg.optim.weight_decay},
+        muon={
+            "lr": cfg.optim.muon_lr,
+            "weight_decay": cfg.optim.weight_decay,
+            "ns_dtype": cfg.optim.ns_dtype,
+        },
         adamw={"lr": cfg.optim.adamw_lr, "weight_decay": cfg.optim.weight_decay},
     )
     inner = tuple(opt for opt in (optimizer.muon, optimizer.adamw) if opt is not None)
@@ -118,6 +122,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             logits, balance = model(inputs.to(device))
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
         saved = tracker.report()
+        backward_began = time.perf_counter()
         (loss + cfg.optim.balance_weight * balance).backward()
         opt_began = time.perf_counter()
         optimizer.step()
@@ -131,6 +136,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             "lr_factor": lr_factor(step, cfg),
             "tokens_per_s": world * inputs.numel() / (time.perf_counter() - began),
             "optim_ms": optim_ms,
+            "backward_ms": (opt_began - backward_began) * 1e3,
             "saved_device_mb": saved.device_bytes / 2**20,
             "saved_host_mb": saved.host_bytes / 2**20,
             "saved_recomputed_mb": saved.recomputed_bytes / 2**20,
