@@ -6,6 +6,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mfusion import MFusionConfig
+from mfusion.machine import MachineProfile
 from mfusion.passes._graph import op_counts
 from mfusion.passes.manager import MFusionPassManager
 from mfusion.report import GraphReport
@@ -30,3 +31,11 @@ def count(gm: torch.fx.GraphModule, op: object) -> int:
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+
+
+# Fixed machine profiles: tests of machine-dependent rewrites pin the machine they decide for, so
+# the outcome never depends on the CPU, ISA cap or thread count the tests run on.
+AVX512_BF16 = MachineProfile(
+    arch="x86_64", cpu_model="test AVX-512 BF16", cpu_capability="AVX512", avx512_bf16=True
+)
+AVX2 = MachineProfile(arch="x86_64", cpu_model="test AVX2", cpu_capability="AVX2")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from _helpers import apply, count, tolerance, trace
+from _helpers import AVX2, AVX512_BF16, apply, count, tolerance, trace
 from torch.nn import functional as F
 
 import mfusion
+from mfusion.machine import MachineProfile
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]
@@ -28,7 +31,7 @@ def test_vit_patch_embedding_becomes_one_gemm(dtype):
     x, w, b = _randn(dtype, (2, 3, 66, 64), (16, 3, 8, 8), (16,))
     fn = _conv(stride=8)
     gm = trace(fn, x, w, b)
-    record = apply(gm, "patch_conv")
+    record = apply(gm, "patch_conv", patch_conv="on")
     assert record.rewritten("patch_conv") == 1
     assert count(gm, aten.convolution.default) == 0 and count(gm, aten.addmm.default) == 1
     out = gm(x, w, b)
@@ -46,7 +49,7 @@ def test_single_channel_overlapping_windows_become_one_gemm(dtype):
     x, w = _randn(dtype, (2, 1, 41, 17), (8, 1, 3, 3))
     fn = lambda x, w: F.conv2d(x, w, None, stride=2)  # noqa: E731
     gm = trace(fn, x, w)
-    record = apply(gm, "patch_conv")
+    record = apply(gm, "patch_conv", patch_conv="on")
     assert record.rewritten("patch_conv") == 1
     assert count(gm, aten.convolution.default) == 0 and count(gm, aten.mm.default) == 1
     torch.testing.assert_close(gm(x, w), fn(x, w), **tolerance(dtype) | {"atol": 5e-2})
@@ -65,7 +68,7 @@ def test_single_channel_overlapping_windows_become_one_gemm(dtype):
 def test_refuses_convolutions_that_are_not_cheap_patches(shapes, kwargs, reason):
     x, w, b = _randn(torch.float32, *shapes)
     gm = trace(_conv(**kwargs), x, w, b)
-    record = apply(gm, "patch_conv")
+    record = apply(gm, "patch_conv", patch_conv="on")
     assert record.rewritten("patch_conv") == 0
     assert reason in record.refused("patch_conv")[0].reason
     assert count(gm, aten.convolution.default) == 1
@@ -76,16 +79,20 @@ def test_stride_larger_than_kernel_skips_the_same_pixels():
     x, w, b = _randn(torch.float32, (1, 1, 17, 16), (4, 1, 2, 2), (4,))
     fn = _conv(stride=3)
     gm = trace(fn, x, w, b)
-    assert apply(gm, "patch_conv").rewritten("patch_conv") == 1
+    assert apply(gm, "patch_conv", patch_conv="on").rewritten("patch_conv") == 1
     torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **tolerance(torch.float32))
 
 
 def test_transposed_and_1d_convolutions_untouched():
     x, w = _randn(torch.float32, (1, 4, 5, 5), (4, 2, 2, 2))
-    record = apply(trace(lambda x, w: F.conv_transpose2d(x, w, stride=2), x, w), "patch_conv")
+    record = apply(
+        trace(lambda x, w: F.conv_transpose2d(x, w, stride=2), x, w), "patch_conv", patch_conv="on"
+    )
     assert "transposed=True" in record.refused("patch_conv")[0].reason
     x1, w1 = _randn(torch.float32, (1, 2, 16), (4, 2, 4))
-    record = apply(trace(lambda x, w: F.conv1d(x, w, stride=4), x1, w1), "patch_conv")
+    record = apply(
+        trace(lambda x, w: F.conv1d(x, w, stride=4), x1, w1), "patch_conv", patch_conv="on"
+    )
     assert record.rewritten("patch_conv") == 0 and not record.refused("patch_conv")
 
 
@@ -106,8 +113,80 @@ def test_compiled_patch_embedding_matches_eager():
     model, x = PatchEmbed().eval(), torch.randn(2, 3, 32, 32)
     torch._dynamo.reset()
     with torch.no_grad():
-        opts = mfusion.compile_options(backend="inductor", passes=["patch_conv"], auto_fuse=False)
+        opts = mfusion.compile_options(
+            backend="inductor", passes=["patch_conv"], auto_fuse=False, machine=AVX2
+        )
         out = torch.compile(model, options=opts)(x)
         ref = model(x)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert mfusion.report().rewritten("patch_conv") == 1
+
+
+def _case(kind: str):
+    if kind == "tiles":  # ViT patch embedding: 4x4/4 over RGB
+        return _conv(stride=4), _randn(torch.float32, (1, 3, 16, 16), (8, 3, 4, 4), (8,))
+    # speech front end: 3x3/2 over one channel
+    return _conv(stride=2), _randn(torch.float32, (1, 1, 17, 15), (8, 1, 3, 3), (8,))
+
+
+@pytest.mark.parametrize(
+    ("machine", "kind", "rewrites"),
+    [
+        (AVX512_BF16, "tiles", True),
+        (AVX512_BF16, "single", True),
+        (AVX2, "tiles", True),
+        # Measured 0.96x under the AVX2 cap (1.41x with AVX-512): kept there.
+        (AVX2, "single", False),
+        (dataclasses.replace(AVX512_BF16, onednn_max_isa="AVX2"), "single", False),
+        # Not measured: AMX machines, AVX-512 without BF16, other architectures.
+        (dataclasses.replace(AVX512_BF16, amx=True), "tiles", False),
+        (dataclasses.replace(AVX512_BF16, avx512_bf16=False), "tiles", False),
+        (dataclasses.replace(AVX2, arch="aarch64", cpu_capability="SVE256"), "tiles", False),
+    ],
+    ids=[
+        "avx512-bf16-tiles",
+        "avx512-bf16-single",
+        "avx2-tiles",
+        "avx2-single",
+        "onednn-cap-single",
+        "amx-tiles",
+        "avx512-no-bf16-tiles",
+        "arm-tiles",
+    ],
+)
+def test_auto_policy_rewrites_only_shape_classes_measured_on_that_isa(machine, kind, rewrites):
+    """patch_conv='auto' follows the machine profile's ISA level; the result equals eager."""
+    fn, (x, w, b) = _case(kind)
+    gm = trace(fn, x, w, b)
+    record = apply(gm, "patch_conv", machine=machine)
+    assert record.rewritten("patch_conv") == int(rewrites)
+    assert count(gm, aten.convolution.default) == (0 if rewrites else 1)
+    if not rewrites:
+        assert "not measured to pay" in record.refused("patch_conv")[0].reason
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **tolerance(torch.float32))
+
+
+def test_auto_policy_keeps_unmeasured_dtypes_and_off_keeps_everything():
+    x, w, b = _randn(torch.float64, (1, 3, 16, 16), (8, 3, 4, 4), (8,))
+    record = apply(trace(_conv(stride=4), x, w, b), "patch_conv", machine=AVX512_BF16)
+    assert record.rewritten("patch_conv") == 0
+    assert "torch.float64" in record.refused("patch_conv")[0].reason
+    fn, (x, w, b) = _case("tiles")
+    record = apply(trace(fn, x, w, b), "patch_conv", patch_conv="off", machine=AVX512_BF16)
+    assert "patch_conv='off'" in record.refused("patch_conv")[0].reason
+
+
+def test_auto_policy_keeps_convolutions_off_cpu():
+    """A graph on another device (meta here, standing in for a GPU) keeps its convolution."""
+    fn, (x, w, b) = _case("tiles")
+    x, w, b = (t.to("meta") for t in (x, w, b))
+    record = apply(trace(fn, x, w, b), "patch_conv", machine=AVX512_BF16)
+    assert "measured on CPU only" in record.refused("patch_conv")[0].reason
+
+
+def test_patch_conv_policy_is_validated():
+    with pytest.raises(ValueError, match="patch_conv='sometimes' is not known"):
+        mfusion.MFusionConfig(patch_conv="sometimes")
+    with pytest.raises(ValueError, match="MachineProfile"):
+        mfusion.MFusionConfig(machine="avx2")
+    assert isinstance(MachineProfile.detect().isa_level, str)

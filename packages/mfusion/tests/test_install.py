@@ -10,6 +10,9 @@ import torch._inductor.config as inductor_config
 
 import mfusion
 from mfusion import MFusionConfig, MFusionPassManager
+from mfusion.machine import MachineProfile
+
+TEST_MACHINE = MachineProfile(arch="x86_64", cpu_model="test", cpu_capability="AVX2")
 
 
 class Block(torch.nn.Module):
@@ -77,6 +80,8 @@ def test_install_refuses_foreign_pass_and_bad_arguments():
         {"absorb_matmul_casts": False},
         {"min_region_ops": 3},
         {"max_region_ops": 8},
+        {"patch_conv": "off"},
+        {"machine": TEST_MACHINE},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -85,6 +90,30 @@ def test_uuid_moves_when_a_setting_flips(change):
     changed = MFusionPassManager(MFusionConfig(**({"backend": "inductor"} | change)))
     assert base.uuid() == MFusionPassManager(MFusionConfig(backend="inductor")).uuid()
     assert base.uuid() != changed.uuid()
+
+
+def test_uuid_follows_the_machine(monkeypatch):
+    """The machine-dependent rewrites decide per machine profile, so the FX-cache key moves with
+    the ISA cap and the thread count, and with an injected profile; it is stable otherwise."""
+    manager = MFusionPassManager(MFusionConfig(backend="inductor"))
+    here = manager.uuid()
+    assert manager.uuid() == here
+    current = MachineProfile.detect().onednn_max_isa
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2" if current != "AVX2" else "AVX512_CORE")
+    capped = manager.uuid()
+    assert capped != here
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert manager.uuid() not in (here, capped)
+    finally:
+        torch.set_num_threads(threads)
+    assert manager.uuid() == here
+    pinned = MFusionPassManager(MFusionConfig(backend="inductor", machine=TEST_MACHINE))
+    other = MachineProfile(arch="x86_64", cpu_model="test", cpu_capability="AVX512")
+    repinned = MFusionPassManager(MFusionConfig(backend="inductor", machine=other))
+    assert pinned.uuid() != repinned.uuid()
 
 
 def test_compiled_model_is_rewritten_and_reported(block):
@@ -102,6 +131,7 @@ def test_compiled_model_is_rewritten_and_reported(block):
     assert graph.ops_before["aten.tanh.default"] == 1 and graph.ops_after["aten.tanh.default"] == 0
     assert graph.regions and not any(r.outlined for r in graph.regions)
     assert "rmsnorm: matched 1, rewritten 1, refused 0" in str(report)
+    assert graph.machine == MachineProfile.detect().describe()
 
 
 def test_fx_graph_cache_never_serves_a_stale_graph(block):

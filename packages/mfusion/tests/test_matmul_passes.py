@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from _helpers import apply, count, tolerance, trace
+from _helpers import AVX2, AVX512_BF16, apply, count, tolerance, trace
+
+from mfusion.machine import MachineProfile
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]
@@ -16,11 +20,11 @@ def _randn(dtype, *shapes):
 
 
 def test_cast_absorption_runs_bf16_matmul():
-    """mm(a.float(), b.float()).to(bf16) becomes one bf16 mm with no casts."""
+    """mm(a.float(), b.float()).to(bf16) becomes one bf16 mm with no casts (native bf16 CPU)."""
     a, b = _randn(torch.bfloat16, (16, 32), (32, 8))
     fn = lambda a, b: (a.float() @ b.float()).to(torch.bfloat16)  # noqa: E731
     gm = trace(fn, a, b)
-    record = apply(gm, "matmul_cast")
+    record = apply(gm, "matmul_cast", machine=AVX512_BF16)
     assert record.rewritten("matmul_cast") == 1
     assert count(gm, aten._to_copy.default) == 0 and count(gm, aten.mm.default) == 1
     torch.testing.assert_close(gm(a, b), fn(a, b), **tolerance(torch.bfloat16))
@@ -32,8 +36,64 @@ def test_cast_absorption_respects_flag_and_mixed_dtypes():
     record = apply(trace(fn, a, b), "matmul_cast", absorb_matmul_casts=False)
     assert "absorb_matmul_casts=False" in record.refused("matmul_cast")[0].reason
     mixed = lambda a, b: (a.float() @ b.half().float()).to(torch.bfloat16)  # noqa: E731
-    record = apply(trace(mixed, a, b), "matmul_cast")
+    record = apply(trace(mixed, a, b), "matmul_cast", machine=AVX512_BF16)
     assert "round trip" in record.refused("matmul_cast")[0].reason
+
+
+@pytest.mark.parametrize(
+    ("machine", "dtype", "native"),
+    [
+        (AVX512_BF16, torch.bfloat16, True),
+        (AVX2, torch.bfloat16, False),
+        # AVX-512 hardware, oneDNN capped to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2): emulated bf16.
+        (dataclasses.replace(AVX512_BF16, onednn_max_isa="AVX2"), torch.bfloat16, False),
+        (dataclasses.replace(AVX512_BF16, onednn_max_isa="avx512_core_bf16"), torch.bfloat16, True),
+        (dataclasses.replace(AVX512_BF16, onednn_max_isa="nonsense"), torch.bfloat16, False),
+        (dataclasses.replace(AVX512_BF16, avx512_bf16=False), torch.bfloat16, False),
+        (dataclasses.replace(AVX512_BF16, avx512_bf16=False, amx=True), torch.bfloat16, True),
+        (AVX512_BF16, torch.float16, False),
+        (dataclasses.replace(AVX512_BF16, amx=True, amx_fp16=True), torch.float16, True),
+        (
+            dataclasses.replace(AVX512_BF16, arch="aarch64", cpu_capability="SVE256"),
+            torch.bfloat16,
+            False,
+        ),
+    ],
+    ids=[
+        "avx512-bf16",
+        "avx2",
+        "onednn-cap",
+        "onednn-cap-high",
+        "unknown-cap",
+        "avx512-no-bf16",
+        "amx",
+        "fp16-no-amx",
+        "amx-fp16",
+        "arm",
+    ],
+)
+def test_cast_absorption_only_where_the_cpu_multiplies_low_precision_natively(
+    machine, dtype, native
+):
+    """Without native bf16/fp16 units the low-precision GEMM is emulated (~100x slower than fp32
+    on AVX2), so the casts and the fp32 GEMM stay; the output equals eager either way."""
+    a, b = _randn(dtype, (16, 32), (32, 8))
+    fn = lambda a, b: (a.float() @ b.float()).to(dtype)  # noqa: E731
+    gm = trace(fn, a, b)
+    record = apply(gm, "matmul_cast", machine=machine)
+    assert record.rewritten("matmul_cast") == int(native)
+    assert count(gm, aten._to_copy.default) == (0 if native else 3)
+    if not native:
+        assert "no native" in record.refused("matmul_cast")[0].reason
+    torch.testing.assert_close(gm(a, b), fn(a, b), **tolerance(torch.bfloat16))
+
+
+def test_detected_machine_profile_matches_torch():
+    """detect() reads what torch reports for this process (whatever the machine is)."""
+    profile = MachineProfile.detect()
+    assert profile.cpu_capability == torch.backends.cpu.get_cpu_capability()
+    assert profile.threads == torch.get_num_threads()
+    assert profile.native_cpu_gemm(torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

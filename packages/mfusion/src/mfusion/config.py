@@ -7,7 +7,21 @@ import enum
 import hashlib
 import json
 
+from mfusion.machine import MachineProfile
 from npu_core import detect_backend
+
+
+class PatchConvPolicy(enum.StrEnum):
+    """When ``patch_conv`` turns a convolution into im2col + GEMM."""
+
+    AUTO = "auto"
+    """Where its shape rule was measured to pay: this CPU's ISA level and the dtype are in
+    ``mfusion.passes.patch_conv.MEASURED``; elsewhere (other ISA levels, other devices) the
+    convolution is kept."""
+    ON = "on"
+    """Apply the shape rule on any machine and device (you measured it pays there)."""
+    OFF = "off"
+    """Keep every convolution."""
 
 
 class BackendName(enum.StrEnum):
@@ -46,11 +60,21 @@ class MFusionConfig:
     """Let ``mm(a.float(), b.float()).to(bf16)`` run as a bf16 matmul (fp32 accumulation, one
     rounding). Changes low-order bits relative to the fp32 matmul."""
 
+    patch_conv: PatchConvPolicy = PatchConvPolicy.AUTO
+    """Where the ``patch_conv`` pass may rewrite: ``auto`` (only where measured to pay),
+    ``on`` or ``off``; see :class:`PatchConvPolicy`."""
+
+    machine: MachineProfile | None = None
+    """The machine the machine-dependent rewrites (``matmul_cast``, ``patch_conv``) decide for;
+    None detects this process's (CPU, ISA caps, threads). Tests pass a fixed profile."""
+
     min_region_ops: int = 2
-    """Smallest auto-fused region worth outlining (ops, not counting views)."""
+    """Smallest auto-fused region worth outlining (ops, not counting views). Not a speed tuning:
+    a one-op region is already one kernel, so outlining it never saves a pass over memory."""
 
     max_region_ops: int = 64
-    """Largest auto-fused region; larger groups are split."""
+    """Largest auto-fused region; larger groups are split. Bounds the quadratic split search and
+    the JIT's compile time, not a measured speed threshold."""
 
     def __post_init__(self) -> None:
         try:
@@ -60,6 +84,17 @@ class MFusionConfig:
             raise ValueError(
                 f"backend={self.backend!r} is not known; use one of: {allowed}"
             ) from None
+        try:
+            object.__setattr__(self, "patch_conv", PatchConvPolicy(self.patch_conv))
+        except ValueError:
+            allowed = ", ".join(p.value for p in PatchConvPolicy)
+            raise ValueError(
+                f"patch_conv={self.patch_conv!r} is not known; use one of: {allowed}"
+            ) from None
+        if self.machine is not None and not isinstance(self.machine, MachineProfile):
+            raise ValueError(
+                f"machine={self.machine!r} must be a mfusion.machine.MachineProfile or None"
+            )
         if self.passes is not None:
             from mfusion.passes.registry import PASS_REGISTRY
 
@@ -82,8 +117,16 @@ class MFusionConfig:
             return self.backend
         return BackendName.NPU if detect_backend().value == "npu" else BackendName.INDUCTOR
 
+    def resolved_machine(self) -> MachineProfile:
+        """The injected profile, or this process's (detected now: threads may have changed)."""
+        return self.machine if self.machine is not None else MachineProfile.detect()
+
     def fingerprint(self) -> str:
-        """Stable hash of every field (and of what ``auto`` resolves to here)."""
-        fields = dataclasses.asdict(self) | {"resolved_backend": self.resolved_backend().value}
+        """Stable hash of every field, of what ``auto`` resolves to here and of the machine
+        profile the machine-dependent rewrites decide for."""
+        fields = dataclasses.asdict(self) | {
+            "resolved_backend": self.resolved_backend().value,
+            "machine": self.resolved_machine().fingerprint(),
+        }
         text = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()

@@ -41,6 +41,8 @@ class GraphReport:
     decisions: list[Decision] = dataclasses.field(default_factory=list)
     regions: list[RegionSummary] = dataclasses.field(default_factory=list)
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    machine: str = ""
+    """The machine profile the machine-dependent rewrites decided for (see mfusion.machine)."""
 
     def rewritten(self, pass_name: str | None = None) -> int:
         """Number of rewrites, by one pass or all."""
@@ -66,6 +68,8 @@ class GraphReport:
             f"graph {self.index} (backend {self.backend}): "
             f"{sum(self.ops_before.values())} -> {sum(self.ops_after.values())} ops"
         ]
+        if self.machine:
+            lines.append(f"  machine: {self.machine}")
         for name in names:
             lines.append(
                 f"  {name}: matched {self.matched(name)}, rewritten {self.rewritten(name)}, "

@@ -4,6 +4,7 @@ automatic fusion, then cleanup, and hashes everything that decides its output in
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import time
@@ -52,9 +53,12 @@ class MFusionPassManager(CustomGraphPass):
     def run(self, graph: fx.Graph) -> GraphReport:
         """Rewrite ``graph`` in place and return (and record) what happened."""
         backend = self.config.resolved_backend()
+        # Decide every machine-dependent rewrite of this graph for one profile, detected once.
+        config = dataclasses.replace(self.config, machine=self.config.resolved_machine())
         record = new_graph_report(backend.value)
+        record.machine = config.machine.describe()
         record.ops_before = _op_counter(graph)
-        ctx = PassContext(self.config, record)
+        ctx = PassContext(config, record)
         for graph_pass in self.passes:
             start = time.perf_counter()
             graph_pass(graph, ctx)
@@ -64,14 +68,16 @@ class MFusionPassManager(CustomGraphPass):
             from mfusion.autofuse.fuse import auto_fuse
 
             start = time.perf_counter()
-            auto_fuse(graph, self.config, record)
+            auto_fuse(graph, config, record)
             record.pass_seconds["auto_fuse"] = time.perf_counter() - start
         cleanup(graph)
         record.ops_after = _op_counter(graph)
         return record
 
     def uuid(self) -> str:
-        """Hash of the package source and of every setting that changes the rewritten graph."""
+        """Hash of the package source and of every setting that changes the rewritten graph,
+        including the machine profile the machine-dependent rewrites decide for (so a graph
+        compiled on one CPU, ISA cap or thread count is not served on another)."""
         digest = hashlib.sha256()
         digest.update(package_source_hash().encode())
         digest.update(self.config.fingerprint().encode())

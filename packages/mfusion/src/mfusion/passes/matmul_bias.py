@@ -1,4 +1,11 @@
-"""Bias absorption: ``mm(a, b) + bias`` into ``addmm(bias, a, b)`` (one GEMM call with beta=1)."""
+"""Bias absorption: ``mm(a, b) + bias`` into ``addmm(bias, a, b)`` (one GEMM call with beta=1).
+
+Not a speed bet of ours: ``addmm`` is what ``nn.Linear`` itself lowers to, so the rewrite gives a
+hand-written linear the form Inductor already handles for that device. Where Inductor prefers the
+opposite (on GPUs it splits ``addmm`` feeding pointwise ops into ``mm`` + an add fused into the
+pointwise kernel, ``should_prefer_unfused_addmm``), the pass leaves the match alone:
+:func:`inductor_prefers_unfused`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,17 @@ from torch import fx
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import aten, emit, is_op, other_operand, replace, tensor_val
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
+
+
+def inductor_prefers_unfused(device: torch.device, total: fx.Node) -> bool:
+    """True when Inductor would split an ``addmm`` producing ``total`` back into mm + add: on a
+    GPU, when a user of the sum is pointwise (the add then fuses into that kernel's loads)."""
+    if device.type == "cpu":
+        return False
+    return any(
+        user.op == "call_function" and torch.Tag.pointwise in getattr(user.target, "tags", ())
+        for user in total.users
+    )
 
 
 def bias_refusal(bias: torch.Tensor, out: torch.Tensor) -> str | None:
@@ -45,6 +63,10 @@ class MatMulBiasPass(MFusionPass):
             raise Refusal(reason)
         if len(mm.users) != 1:
             raise Refusal("the bare product is also used elsewhere")
+        if inductor_prefers_unfused(vo.device, node):
+            raise Refusal(
+                f"on {vo.device.type} Inductor fuses the bias add into the pointwise user instead"
+            )
 
         def rewrite() -> str:
             replace(node, emit(node.graph, aten.addmm.default, bias, *mm.args[:2]))

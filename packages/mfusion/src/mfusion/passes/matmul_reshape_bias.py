@@ -1,5 +1,9 @@
 """MatMul-Reshape-Bias reorder: ``reshape(mm(a, w), [B, S, N]) + bias`` into
-``reshape(addmm(bias, a, w), [B, S, N])`` so the bias rides in the GEMM call."""
+``reshape(addmm(bias, a, w), [B, S, N])`` so the bias rides in the GEMM call.
+
+Like ``matmul_bias`` (whose device rule it shares, :func:`inductor_prefers_unfused`), this
+produces the ``addmm`` form ``nn.Linear`` lowers to; it is not tuned to one CPU.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from torch import fx
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import aten, emit, is_op, other_operand, replace, tensor_val
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
-from mfusion.passes.matmul_bias import bias_refusal
+from mfusion.passes.matmul_bias import bias_refusal, inductor_prefers_unfused
 
 RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
@@ -38,6 +42,10 @@ class MatMulReshapeBiasPass(MFusionPass):
             raise Refusal(reason)
         if len(mm.users) != 1 or len(view.users) != 1:
             raise Refusal("the product or its reshape is also used elsewhere")
+        if inductor_prefers_unfused(vm.device, node):
+            raise Refusal(
+                f"on {vm.device.type} Inductor fuses the bias add into the pointwise user instead"
+            )
 
         def rewrite() -> str:
             graph = node.graph

@@ -14,15 +14,56 @@ slower), so that case is refused. The result is a permuted view in NCHW order: c
 such as ``flatten(2).transpose(1, 2)`` read the GEMM's [N*H'*W', D] rows directly.
 
 The float sum is reassociated (the GEMM's order, not oneDNN's), as any GEMM change does.
+
+Machine-dependent: this trades one kernel (oneDNN's convolution) for two (a copy and a GEMM)
+and does not do less work, so whether it pays depends on the CPU's kernels, ISA level and dtype.
+With ``MFusionConfig.patch_conv="auto"`` (the default) a shape class is rewritten only where
+:data:`MEASURED` lists it for the machine profile's ISA level and the convolution's dtype, on
+CPU; everywhere else (unmeasured ISA levels such as AMX or ARM, GPUs, NPUs) the convolution is
+kept, which is the graph the user wrote. ``"on"`` applies the shape rule anywhere, ``"off"``
+nowhere. The profile and the policy are part of the pass manager's ``uuid()``.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
-from mfusion.config import MFusionConfig
+from mfusion.config import MFusionConfig, PatchConvPolicy
 from mfusion.passes._graph import FLOAT_DTYPES, aten, emit, is_op, replace, tensor_val
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
+
+TILES = "tiles"
+"""stride == kernel: the windows tile the image (ViT/CLIP patch embedding); any channels."""
+SINGLE_CHANNEL = "single-channel"
+"""One input channel, any stride: windows of a spectrogram (speech front ends)."""
+
+# (ISA level of mfusion.machine.MachineProfile.isa_level, dtype) -> shape classes measured to pay
+# there, compiled by Inductor at one thread (convolution alone vs the rewritten form alone, and
+# whole models). Levels and dtypes not listed keep every convolution under patch_conv="auto".
+# Ratios are oneDNN convolution time / im2col + GEMM time, both compiled:
+#   AVX-512 BF16 CPU, fp32: 8x8/8 over 3 channels 2.06, 3x3/2 over 1 channel 1.41, 3x3/2 over 32
+#     channels 0.46; bf16: 1.87, 1.59, 0.70.
+#   Same CPU capped to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), fp32: 1.91, 0.96
+#     (single-channel windows do not pay there), 0.31.
+# 1x1/2 convolutions over 64-128 channels measured 1.3-2.5 alone on both levels, but ResNet-18
+# with its shortcuts rewritten ran 2% slower (AVX-512 BF16, fp32): multi-channel strided windows
+# stay refused everywhere (shape_class None).
+MEASURED: dict[tuple[str, torch.dtype], frozenset[str]] = {
+    ("avx512-bf16", torch.float32): frozenset({TILES, SINGLE_CHANNEL}),
+    ("avx512-bf16", torch.bfloat16): frozenset({TILES, SINGLE_CHANNEL}),
+    ("avx2", torch.float32): frozenset({TILES}),
+}
+
+
+def shape_class(channels: int, kernel: tuple[int, ...], stride: tuple[int, ...]) -> str | None:
+    """The class a convolution's windows fall in; None for strided windows over several channels
+    (overlapping or with gaps), which were measured slower as im2col on every level tried."""
+    if stride == kernel:
+        return TILES
+    if channels == 1:
+        return SINGLE_CHANNEL
+    return None
 
 
 def _ints(values: object) -> tuple[int, ...] | None:
@@ -54,13 +95,15 @@ class PatchConvPass(MFusionPass):
         strides = _ints(stride)
         if strides is None or len(strides) != 2 or min(strides) < 1:
             raise Refusal(f"stride {stride}: need two positive ints")
-        if strides != kernel and shape[1] != 1:
+        shape_cls = shape_class(shape[1], kernel, strides)
+        if shape_cls is None:
             raise Refusal(
                 f"{kernel}/{strides} windows (overlapping or with gaps) over {shape[1]} channels: "
                 "the strided im2col copy costs more than the convolution"
             )
         if vx.dtype != vw.dtype or vx.dtype not in FLOAT_DTYPES:
             raise Refusal(f"input/weight dtypes {vx.dtype}/{vw.dtype}: need one floating dtype")
+        _check_policy(config, shape_cls, vx.dtype, vx.device)
         if b is not None and (tensor_val(b) is None or tensor_val(b).dtype != vx.dtype):
             raise Refusal("bias dtype differs from the input's")
         n, c = shape[:2]
@@ -89,3 +132,25 @@ class PatchConvPass(MFusionPass):
             )
 
         return rewrite
+
+
+def _check_policy(
+    config: MFusionConfig, shape_cls: str, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Raise :class:`Refusal` unless the policy lets ``shape_cls`` be rewritten on this machine."""
+    if config.patch_conv is PatchConvPolicy.ON:
+        return
+    if config.patch_conv is PatchConvPolicy.OFF:
+        raise Refusal("disabled by patch_conv='off'")
+    if device.type != "cpu":
+        raise Refusal(
+            f"{shape_cls} convolution on {device.type}: im2col + GEMM was measured on CPU only "
+            "(patch_conv='on' forces it)"
+        )
+    machine = config.resolved_machine()
+    level = machine.isa_level
+    if shape_cls not in MEASURED.get((level, dtype), frozenset()):
+        raise Refusal(
+            f"{shape_cls} convolution in {dtype} on ISA level {level!r}: not measured to pay "
+            f"there ({machine.describe()}; patch_conv='on' forces it)"
+        )

@@ -1,0 +1,212 @@
+"""What the machine offers to the rewrites whose payoff depends on it, and the rules tied to it.
+
+Most mfusion passes do strictly less work on any machine (fewer ops per element, fewer passes
+over memory, no extra copies) and need no machine check. Two kinds of rewrite trade one kernel
+for another, and whether that pays depends on the CPU:
+
+- a bf16/fp16 GEMM instead of an fp32 GEMM (``matmul_cast``) pays only where the CPU multiplies
+  bf16/fp16 natively (AVX-512 BF16 or AMX); without it oneDNN emulates the low-precision GEMM,
+  about 100x slower than the fp32 one (bf16 256x1024x256: 0.7 ms with AVX-512 BF16, 70 ms with
+  oneDNN capped to AVX2);
+- im2col + GEMM instead of a oneDNN convolution (``patch_conv``) was measured per shape class;
+  the rule is used only on the ISA levels and dtypes it was measured on (see
+  ``mfusion.passes.patch_conv.MEASURED``).
+
+:class:`MachineProfile` captures those capabilities. It is detected once per call of
+:meth:`MachineProfile.detect` (cheap) or injected through ``MFusionConfig(machine=...)`` in tests,
+and its :meth:`~MachineProfile.fingerprint` is part of the pass manager's ``uuid()``: a graph
+compiled on one machine is never served from Inductor's FX cache on a machine where these
+decisions could differ (another CPU, an ISA cap, another thread count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+
+import torch
+
+# oneDNN's ISA names from the lowest to the highest (x86-64), as ONEDNN_MAX_CPU_ISA takes them.
+ONEDNN_ISAS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+)
+_UNCAPPED = ("", "ALL", "DEFAULT")
+
+
+def _onednn_allows(cap: str, isa: str) -> bool:
+    """True if oneDNN capped at ``cap`` (``ONEDNN_MAX_CPU_ISA``) may use ``isa``.
+
+    An unknown cap name counts as a cap below every named ISA: the caller then keeps the
+    conservative choice instead of guessing.
+    """
+    cap = cap.upper()
+    if cap in _UNCAPPED:
+        return True
+    if cap not in ONEDNN_ISAS:
+        return False
+    return ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flag(name: str) -> bool:
+    probe = getattr(torch.cpu, name, None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MachineProfile:
+    """The CPU capabilities the machine-dependent rewrites are gated on.
+
+    Build one with :meth:`detect`; tests construct one directly to pin a decision regardless of
+    the machine they run on.
+    """
+
+    arch: str
+    """``platform.machine()``: ``x86_64``, ``aarch64``, ..."""
+
+    cpu_model: str
+    """The CPU's model name; part of the fingerprint only (measured rules differ per CPU)."""
+
+    cpu_capability: str
+    """ATen's kernel level, ``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, ``AVX2``,
+    ``DEFAULT``, ... (lowered by ``ATEN_CPU_CAPABILITY``)."""
+
+    onednn_max_isa: str = ""
+    """``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``); empty when oneDNN may use everything."""
+
+    avx512_bf16: bool = False
+    """The CPU has AVX-512 BF16 dot products."""
+
+    amx: bool = False
+    """The CPU has AMX tiles (bf16 and int8 matrix units)."""
+
+    amx_fp16: bool = False
+    """The CPU's AMX units also take fp16."""
+
+    threads: int = 1
+    """``torch.get_num_threads()``: measured trade-offs between kernels move with it."""
+
+    cuda_capability: tuple[int, int] | None = None
+    """Compute capability of the current CUDA device; None without CUDA."""
+
+    @classmethod
+    def detect(cls) -> MachineProfile:
+        """The profile of this process: hardware flags, ISA caps from the environment, threads."""
+        return cls(
+            arch=platform.machine().lower(),
+            cpu_model=_cpu_model(),
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            onednn_max_isa=(
+                os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+            ),
+            avx512_bf16=_cpu_flag("_is_avx512_bf16_supported"),
+            amx=_cpu_flag("_is_amx_tile_supported"),
+            amx_fp16=_cpu_flag("_is_amx_fp16_supported"),
+            threads=torch.get_num_threads(),
+            cuda_capability=(
+                tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+            ),
+        )
+
+    @property
+    def isa_level(self) -> str:
+        """The x86-64 level both ATen and oneDNN may use, as measured rules are keyed:
+        ``avx512-amx``, ``avx512-bf16``, ``avx512``, ``avx2``, or ``other`` (another
+        architecture, or a lower or unknown level)."""
+        if self.arch not in ("x86_64", "amd64"):
+            return "other"
+        cap = self.cpu_capability.upper()
+        if cap.startswith("AVX512") and _onednn_allows(self.onednn_max_isa, "AVX512_CORE"):
+            if self.amx and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_AMX"):
+                return "avx512-amx"
+            if self.avx512_bf16 and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_BF16"):
+                return "avx512-bf16"
+            return "avx512"
+        if cap.startswith(("AVX2", "AVX512")) and _onednn_allows(self.onednn_max_isa, "AVX2"):
+            return "avx2"
+        return "other"
+
+    def native_cpu_gemm(self, dtype: torch.dtype) -> bool:
+        """True if a ``dtype`` GEMM runs on native units here (not emulated through fp32).
+
+        fp32/fp64 always do. bf16 needs AVX-512 BF16 or AMX, usable by both ATen (its capability
+        not lowered below AVX-512) and oneDNN (not capped below ``AVX512_CORE_BF16``); fp16 needs
+        AMX-FP16 likewise. Other architectures count as not native (conservative: the graph keeps
+        the fp32 GEMM it was written with).
+        """
+        if dtype in (torch.float32, torch.float64):
+            return True
+        if self.arch not in ("x86_64", "amd64") or not self.cpu_capability.upper().startswith(
+            "AVX512"
+        ):
+            return False
+        if dtype == torch.bfloat16:
+            if self.amx and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_AMX"):
+                return True
+            return self.avx512_bf16 and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_BF16")
+        if dtype == torch.float16:
+            return self.amx_fp16 and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_AMX_FP16")
+        return False
+
+    def describe(self) -> str:
+        """One line for reports and refusal reasons."""
+        cap = f", oneDNN cap {self.onednn_max_isa}" if self.onednn_max_isa else ""
+        flags = [n for n in ("avx512_bf16", "amx", "amx_fp16") if getattr(self, n)]
+        return (
+            f"{self.cpu_model} ({self.arch}, ATen {self.cpu_capability}{cap}, "
+            f"{'+'.join(flags) or 'no bf16/AMX'}, {self.threads} threads)"
+        )
+
+    def fingerprint(self) -> str:
+        """Stable hash of every field."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def native_gemm(machine: MachineProfile, dtype: torch.dtype, device: torch.device) -> bool:
+    """True if a ``dtype`` GEMM on ``device`` runs natively (see :meth:`native_cpu_gemm`).
+
+    CUDA: bf16 tensor cores from compute capability 8.0, fp16 from 7.0. NPU (Ascend cube units):
+    fp16 and bf16. Other devices: only fp32/fp64 (conservative).
+    """
+    if device.type == "cpu":
+        return machine.native_cpu_gemm(dtype)
+    if dtype in (torch.float32, torch.float64):
+        return True
+    if device.type == "cuda" and machine.cuda_capability is not None:
+        return machine.cuda_capability[0] >= (8 if dtype == torch.bfloat16 else 7)
+    return device.type == "npu" and dtype in (torch.bfloat16, torch.float16)
