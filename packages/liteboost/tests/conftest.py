@@ -73,6 +73,17 @@ def tiny_variant_inputs(variant: str, grid=(3, 4, 4), batch=2, seed=0):
     return inputs
 
 
+def vae_latents(frames: int, batch: int = 1) -> torch.Tensor:
+    """Latents of the tiny AutoencoderKLWan: [batch, 4, frames, 2, 2]."""
+    return torch.randn(batch, 4, frames, 2, 2, generator=torch.Generator().manual_seed(frames))
+
+
+def vae_pixels(frames: int, batch: int = 1) -> torch.Tensor:
+    """A video in [-1, 1] for the tiny AutoencoderKLWan: [batch, 3, frames, 16, 16]."""
+    gen = torch.Generator().manual_seed(frames)
+    return torch.rand(batch, 3, frames, 16, 16, generator=gen) * 2 - 1
+
+
 @pytest.fixture
 def qkv_factory():
     return structured_qkv

@@ -107,16 +107,3 @@ def test_register_boost_extends_the_registry():
 def test_bad_settings_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         liteboost.BoostManager(build_tiny_transformer(), **kwargs)
-
-
-def test_attention_backend_override_by_environment(monkeypatch):
-    from liteboost.attention.backends import AttentionBackend, resolve_backend
-
-    assert resolve_backend() is AttentionBackend.SDPA  # cpu: no FlashAttention, no NPU
-    monkeypatch.setenv("LITEBOOST_ATTENTION_BACKEND", "fa2")
-    assert resolve_backend() is AttentionBackend.FA2
-    with pytest.raises(RuntimeError, match="'fa2' cannot run here"):
-        liteboost.flash_attention(*(torch.randn(1, 4, 2, 8) for _ in range(3)))
-    monkeypatch.setenv("LITEBOOST_ATTENTION_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="LITEBOOST_ATTENTION_BACKEND='bogus'"):
-        resolve_backend()

@@ -1,8 +1,15 @@
-"""Dense attention backends and the chain FA3 -> FA2 -> NPU -> torch SDPA, chosen once.
+"""Dense attention backends and the chain FA3 -> FA2 -> NPU -> torch SDPA, checked per call.
 
-The first backend that imports *and* runs on this process's device wins; the choice is logged
-once. ``LITEBOOST_ATTENTION_BACKEND`` or a ``backend=`` argument overrides it; an override naming
-a backend that cannot run here raises instead of silently falling back.
+Each backend declares what it accepts (device, dtype, head dim, CUDA compute capability) and its
+native layout, as diffusers' attention dispatcher does; one generic check reads those
+declarations. A call goes to the first backend in chain order that is installed (its package
+imports; probed once per process) *and* whose constraints accept the call. So fp32 inputs never
+reach FlashAttention (fp16/bf16 only), a head dim above 256 or a pre-Ampere GPU falls back to
+SDPA, and CPU tensors always run SDPA, whatever is installed. Each distinct choice is logged once.
+
+``LITEBOOST_ATTENTION_BACKEND`` or a ``backend=`` argument forces one backend; a forced backend
+that is not installed, or that does not accept the call, raises (naming what it accepts)
+instead of silently falling back.
 """
 
 from __future__ import annotations
@@ -11,13 +18,13 @@ import enum
 import functools
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from liteboost import env
-from npu_core import detect_backend
 from npu_core._npu import import_torch_npu
 
 logger = logging.getLogger(__name__)
@@ -32,8 +39,116 @@ class AttentionBackend(enum.StrEnum):
     SDPA = "sdpa"
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """What the constraints look at: the facts of one call, not the tensors themselves.
+
+    Attributes:
+        device: device type of q, k and v ("cpu", "cuda", "npu", ...).
+        dtype: their common dtype, None when they differ.
+        head_dim: head dim of q and k.
+        value_head_dim: head dim of v.
+        capability: CUDA compute capability of the device, None off CUDA.
+    """
+
+    device: str
+    dtype: torch.dtype | None
+    head_dim: int
+    value_head_dim: int
+    capability: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionCall:
+        """Describe a call; q, k, v in either layout (the head dim is last in both)."""
+        devices = {t.device for t in (q, k, v)}
+        if len(devices) != 1:
+            raise ValueError(f"q, k and v must be on one device; got {sorted(map(str, devices))}")
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(
+                f"q and k must have the same head dim; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
+        device = q.device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        dtypes = {t.dtype for t in (q, k, v)}
+        return cls(
+            device=device.type,
+            dtype=dtypes.pop() if len(dtypes) == 1 else None,
+            head_dim=q.shape[-1],
+            value_head_dim=v.shape[-1],
+            capability=capability,
+        )
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a backend accepts; :meth:`rejection` is the one check every backend goes through.
+
+    Attributes:
+        devices: device types it runs on; None for any.
+        dtypes: dtypes it takes (q, k and v must share one).
+        max_head_dim: largest head dim; None for no limit.
+        value_head_dim_equal: v must have q's head dim.
+        min_capability: minimum CUDA compute capability (major, minor).
+    """
+
+    devices: tuple[str, ...] | None
+    dtypes: tuple[torch.dtype, ...]
+    max_head_dim: int | None = None
+    value_head_dim_equal: bool = False
+    min_capability: tuple[int, int] | None = None
+
+    def rejection(self, call: AttentionCall) -> str | None:
+        """Why this backend cannot take ``call``, or None when it can."""
+        if self.devices is not None and call.device not in self.devices:
+            return f"device {call.device!r} (allowed: {', '.join(self.devices)})"
+        if call.dtype is None:
+            return "q, k and v have different dtypes (allowed: one shared dtype)"
+        if call.dtype not in self.dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"dtype {str(call.dtype).removeprefix('torch.')} (allowed: {allowed})"
+        head_dims = {call.head_dim, call.value_head_dim}
+        if self.max_head_dim is not None and max(head_dims) > self.max_head_dim:
+            return f"head dim {max(head_dims)} (allowed: at most {self.max_head_dim})"
+        if self.value_head_dim_equal and len(head_dims) > 1:
+            return (
+                f"v head dim {call.value_head_dim} differs from q/k head dim {call.head_dim} "
+                "(allowed: equal)"
+            )
+        if self.min_capability is not None and (call.capability or (0, 0)) < self.min_capability:
+            need = ".".join(map(str, self.min_capability))
+            return f"CUDA compute capability {call.capability} (allowed: >= {need})"
+        return None
+
+
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
-"""(q, k, v, scale) -> out, all [B, S, N, D] (the layout FlashAttention and Wan use)."""
+"""(q, k, v, scale) -> out, all in the backend's native layout."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend: how to load its kernel, what it accepts, which layout it takes."""
+
+    name: AttentionBackend
+    load: Callable[[], Kernel | None]
+    constraints: Constraints
+    layout: str
+
+
+_REGISTRY: dict[AttentionBackend, BackendSpec] = {}
+
+
+def _register(name: AttentionBackend, constraints: Constraints, layout: str):
+    """Record ``load`` (returns the kernel, or None when its package is missing) for ``name``."""
+
+    def decorate(load: Callable[[], Kernel | None]) -> Callable[[], Kernel | None]:
+        _REGISTRY[name] = BackendSpec(name, load, constraints, layout)
+        return load
+
+    return decorate
 
 
 def _import(name: str, attr: str) -> Callable | None:
@@ -44,9 +159,15 @@ def _import(name: str, attr: str) -> Callable | None:
         return None
 
 
+# FlashAttention 3 (Hopper build, ``flash_attn_interface``): sm90+, fp16/bf16, head dim <= 256.
+@_register(
+    AttentionBackend.FA3,
+    Constraints(("cuda",), _HALF, max_head_dim=256, min_capability=(9, 0)),
+    layout="BSND",
+)
 def _fa3_kernel() -> Kernel | None:
     fn = _import("flash_attn_interface", "flash_attn_func")
-    if fn is None or detect_backend() != "cuda":
+    if fn is None:
         return None
 
     def run(q, k, v, scale):
@@ -56,16 +177,31 @@ def _fa3_kernel() -> Kernel | None:
     return run
 
 
+# FlashAttention 2: Ampere (sm80) or newer, fp16/bf16, head dim <= 256, v head dim == q's.
+@_register(
+    AttentionBackend.FA2,
+    Constraints(
+        ("cuda",), _HALF, max_head_dim=256, value_head_dim_equal=True, min_capability=(8, 0)
+    ),
+    layout="BSND",
+)
 def _fa2_kernel() -> Kernel | None:
     fn = _import("flash_attn", "flash_attn_func")
-    if fn is None or detect_backend() != "cuda":
+    if fn is None:
         return None
     return lambda q, k, v, scale: fn(q, k, v, softmax_scale=scale)
 
 
+# torch_npu's npu_fusion_attention: fp16/bf16 (as diffusers' NPU backend declares), head dim
+# <= 512 per its documentation.
+@_register(
+    AttentionBackend.NPU,
+    Constraints(("npu",), _HALF, max_head_dim=512, value_head_dim_equal=True),
+    layout="BSND",
+)
 def _npu_kernel() -> Kernel | None:
     torch_npu = import_torch_npu()
-    if torch_npu is None or detect_backend() != "npu":
+    if torch_npu is None:
         return None
     op = torch_npu.npu_fusion_attention
 
@@ -77,22 +213,9 @@ def _npu_kernel() -> Kernel | None:
     return run
 
 
+@_register(AttentionBackend.SDPA, Constraints(None, _FLOATS), layout="BNSD")
 def _sdpa_kernel() -> Kernel:
-    def run(q, k, v, scale):
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
-        )
-        return out.transpose(1, 2)
-
-    return run
-
-
-_FACTORIES: dict[AttentionBackend, Callable[[], Kernel | None]] = {
-    AttentionBackend.FA3: _fa3_kernel,
-    AttentionBackend.FA2: _fa2_kernel,
-    AttentionBackend.NPU: _npu_kernel,
-    AttentionBackend.SDPA: _sdpa_kernel,
-}
+    return lambda q, k, v, scale: F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
 def parse_backend(
@@ -107,35 +230,72 @@ def parse_backend(
 
 
 @functools.cache
-def _kernel_for(backend: AttentionBackend) -> Kernel:
-    kernel = _FACTORIES[backend]()
-    if kernel is None:
-        raise RuntimeError(
-            f"attention backend {backend.value!r} cannot run here (its package is not importable "
-            f"or the device is {detect_backend().value}); use 'sdpa' or leave it unset"
-        )
-    return kernel
+def _kernel(backend: AttentionBackend) -> Kernel | None:
+    return _REGISTRY[backend].load()
 
 
 @functools.cache
-def _chain_choice() -> AttentionBackend:
-    for backend in AttentionBackend:
-        if _FACTORIES[backend]() is not None:
-            logger.info(
-                "liteboost attention backend: %s (first usable of fa3, fa2, npu, sdpa)", backend
-            )
-            return backend
-    raise AssertionError("unreachable: sdpa always works")
+def installed_backends() -> frozenset[AttentionBackend]:
+    """Backends whose package imports in this process (probed once)."""
+    return frozenset(b for b in AttentionBackend if _kernel(b) is not None)
 
 
-def resolve_backend(backend: str | AttentionBackend | None = None) -> AttentionBackend:
-    """The backend a call uses: the argument, else the environment variable, else the chain."""
+def forced_backend(backend: str | AttentionBackend | None = None) -> AttentionBackend | None:
+    """The backend forced by the argument, else by the environment variable; None = the chain."""
     if backend is not None:
         return parse_backend(backend)
     forced = env.read(env.ATTENTION_BACKEND)
+    return None if forced is None else parse_backend(forced, env.ATTENTION_BACKEND)
+
+
+def select_backend(
+    call: AttentionCall,
+    forced: AttentionBackend | None = None,
+    installed: Collection[AttentionBackend] | None = None,
+) -> AttentionBackend:
+    """The backend a call runs on: ``forced`` if it accepts the call, else the chain's first.
+
+    Args:
+        call: the call's device, dtype and head dims.
+        forced: a backend that must be used (its refusal raises), or None for the chain.
+        installed: backends whose package is present; None probes this process
+            (:func:`installed_backends`). Tests pass their own.
+
+    Raises:
+        RuntimeError: ``forced`` is not installed.
+        ValueError: ``forced`` does not accept the call, or no backend does.
+    """
+    installed = installed_backends() if installed is None else installed
     if forced is not None:
-        return parse_backend(forced, env.ATTENTION_BACKEND)
-    return _chain_choice()
+        if forced not in installed:
+            raise RuntimeError(
+                f"attention backend {forced.value!r} cannot run here (its package is not "
+                "importable); use 'sdpa' or leave it unset"
+            )
+        reason = _REGISTRY[forced].constraints.rejection(call)
+        if reason is not None:
+            raise ValueError(f"attention backend {forced.value!r} does not accept {reason}")
+        return forced
+    reasons = []
+    for backend in AttentionBackend:
+        if backend not in installed:
+            continue
+        reason = _REGISTRY[backend].constraints.rejection(call)
+        if reason is None:
+            return backend
+        reasons.append(f"{backend.value}: {reason}")
+    raise ValueError(f"no attention backend accepts this call: {'; '.join(reasons)}")
+
+
+@functools.cache
+def _log_choice(backend: AttentionBackend, device: str, dtype: torch.dtype | None) -> None:
+    logger.info(
+        "liteboost attention backend for %s %s: %s (first of fa3, fa2, npu, sdpa that is "
+        "installed and accepts the call)",
+        device,
+        dtype,
+        backend,
+    )
 
 
 def flash_attention(
@@ -147,11 +307,11 @@ def flash_attention(
     scale: float | None = None,
     backend: str | AttentionBackend | None = None,
 ) -> torch.Tensor:
-    """Dense, non-causal attention through the chosen backend.
+    """Dense, non-causal attention through the first backend that accepts the call.
 
     Args:
-        q: [B, S, N, D] ("BSND") or [B, N, S, D] ("BNSD"); fp32, bf16 or fp16 (FlashAttention
-            and the NPU op need half precision).
+        q: [B, S, N, D] ("BSND") or [B, N, S, D] ("BNSD"); FlashAttention and the NPU op take
+            fp16/bf16 only, so fp32 calls run SDPA.
         k: like ``q`` (same head count).
         v: like ``k``.
         layout: "BSND" or "BNSD", for inputs and output alike.
@@ -163,8 +323,12 @@ def flash_attention(
     """
     if layout not in ("BSND", "BNSD"):
         raise ValueError(f"layout={layout!r} is not supported; use 'BSND' or 'BNSD'")
-    kernel = _kernel_for(resolve_backend(backend))
-    if layout == "BNSD":
+    forced = forced_backend(backend)
+    chosen = select_backend(AttentionCall.of(q, k, v), forced)
+    if forced is None:
+        _log_choice(chosen, q.device.type, q.dtype)
+    spec = _REGISTRY[chosen]
+    if spec.layout != layout:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = kernel(q, k, v, scale)
-    return out.transpose(1, 2) if layout == "BNSD" else out
+    out = _kernel(chosen)(q, k, v, scale)
+    return out.transpose(1, 2) if spec.layout != layout else out

@@ -5,16 +5,41 @@ convolution keeps the last two frames of its input. Latent frame t therefore dep
 ``R`` earlier latent frames (the causal receptive field, summed over the convolution chain and
 divided by the temporal upsampling reached at each layer). A rank that owns latent frames
 [a, b) decodes the window [a - R, b) from scratch and keeps only the frames of [a, b): they are
-computed from exactly the same inputs as in a single-process decode, so they are bit-identical.
-The window's own first frame takes diffusers' first-chunk path (one output frame); the frames
-it keeps are all past the receptive field of that special case.
-
-The exchange uses equal-size all_gather (gloo refuses uneven sizes): every rank pads its frames
-to the largest span and the padding is cut after the gather.
+computed from exactly the same inputs as in a single-process decode. The window's own first
+frame takes diffusers' first-chunk path (one output frame); the frames it keeps are all past the
+receptive field of that special case.
 
 Encode is the mirror image: Wan encodes frame 0 alone, then chunks of 4 frames, one latent frame
 per chunk. A rank owning latent frames [a, b) encodes from pixel frame 4 * (a - R_enc), which
 the encoder treats as a lone first frame, after which its chunks line up with the global ones.
+
+Bit-identical, and why that needs more than the receptive field. Equal inputs give equal bits
+only when every operation also runs on tensors of the same shape, because CPU kernels pick their
+code path by shape: a GEMM with few columns takes another BLAS kernel (another summation order)
+than a wide one, and element-wise kernels round their vectorised body and scalar tail
+differently. Inside the decoder and encoder every call sees one frame or one 4-frame chunk, so
+window and full clip match call for call. Two 1x1x1 convolutions do not: ``post_quant_conv``
+runs on all latent frames before the decode loop and ``quant_conv`` on all latent frames after
+the encode loop, as one GEMM whose column count is T * h * w (ATen's ``slow_conv3d`` on CPU). On
+a window of 2 latent frames that GEMM rounds differently from the full clip's 5 (measured on
+AVX-512 and on AVX2-only CPUs alike, about 1e-6 after the decoder), which is what broke exact
+equality at 2 and 3 ranks. So the ranks run those two convolutions on the whole clip, as the
+stock code does: decode replaces ``post_quant_conv``'s output on the window by the window's
+slice of ``post_quant_conv`` over all of ``z`` (computed inside the stock decode, where weight
+offloading hooks have put the weights on the device), and encode skips ``quant_conv`` in the
+windows and applies it once to the gathered encoder output. Batch slicing (``use_slicing``) is
+mirrored: one sample at a time, as the stock code does.
+
+The guarantee is therefore: bit-identical to the stock decode / encode run in a process with the
+same intra-op thread count (``torch.get_num_threads()``) on the same machine. Across thread
+counts stock itself may differ in the last bits (ATen chooses between oneDNN and its native
+convolution partly by thread count, e.g. for 1x1 filters), and npu-core's launcher gives each
+rank ``cpu_count // world_size`` threads. With VAE tiling active (``enable_tiling()`` and frames
+larger than a tile) the 1x1 convolutions run per spatial tile in stock and are not mirrored here:
+the result then matches stock to float rounding, not bit for bit.
+
+The exchange uses equal-size all_gather (gloo refuses uneven sizes): every rank pads its frames
+to the largest span and the padding is cut after the gather.
 
 Honest limit: R grows with decoder depth (about 30 latent frames for the tiny test VAE, more for
 Wan2.1), so a speed-up needs clips much longer than R per rank; shorter clips are still correct,
@@ -23,7 +48,9 @@ the windows then simply start at frame 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +140,95 @@ def _output_index(latent: int, factor: int) -> int:
     return 0 if latent == 0 else 1 + factor * (latent - 1)
 
 
+def _per_sample(vae, batch: int) -> bool:
+    """Whether the stock decode / encode runs one sample at a time (diffusers' ``use_slicing``)."""
+    return bool(getattr(vae, "use_slicing", False)) and batch > 1
+
+
+@contextlib.contextmanager
+def _output_replaced(
+    module: torch.nn.Module, replace: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Iterator[None]:
+    """Within the block, ``module(x)`` returns ``replace(x, module's own output)``."""
+    handle = module.register_forward_hook(lambda _mod, args, out: replace(args[0], out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def decode_span(
+    vae, z: torch.Tensor, span: Span, decode_fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The output frames of latents [span.start, span.stop), decoded from the span's window.
+
+    Bit-identical to the same frames of ``decode_fn(z)`` in this process: the decoder runs on the
+    window, while ``post_quant_conv`` runs on all of ``z`` (see the module docstring).
+
+    Args:
+        vae: the AutoencoderKLWan.
+        z: all latents [B, C, T, h, w].
+        span: the latent frames to return and the window to decode them from.
+        decode_fn: the stock decode, ``decode_fn(z) -> frames [B, 3, T_out, H, W]``.
+
+    Returns:
+        [B, 3, n, H, W] with n output frames of the span (0 for an empty span).
+    """
+    if span.stop <= span.start:
+        # No frames, but the gather needs a tensor of the right shape and dtype.
+        return decode_fn(z[:, :, :1])[:, :, :0]
+    if _per_sample(vae, z.shape[0]):
+        return torch.cat([decode_span(vae, one, span, decode_fn) for one in z.split(1)])
+    factor = temporal_factor(vae)
+    window = z[:, :, span.window : span.stop]
+
+    def whole_clip(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if inp.shape != window.shape:  # a spatial tile of a tiled decode: not mirrored
+            return out
+        return vae.post_quant_conv.forward(z)[:, :, span.window : span.stop]
+
+    with _output_replaced(vae.post_quant_conv, whole_clip):
+        frames = decode_fn(window)
+    begin = _output_index(span.start - span.window, factor)
+    count = _output_index(span.stop, factor) - _output_index(span.start, factor)
+    return frames[:, :, begin : begin + count]
+
+
+def encode_span(
+    vae, x: torch.Tensor, span: Span, encode_fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Encoder output (before ``quant_conv``) of latents [span.start, span.stop), from its window.
+
+    Pass the gathered spans through :func:`finish_encode` to get the stock encode's moments.
+
+    Args:
+        vae: the AutoencoderKLWan.
+        x: all pixels [B, 3, T, H, W], T = 1 + 4k.
+        span: latent frames to return and the window (in latent frames) to encode them from.
+        encode_fn: the stock encode to moments, ``encode_fn(x) -> [B, 2 z, T_lat, h, w]``; it
+            runs with ``vae.quant_conv`` skipped.
+
+    Returns:
+        [B, 2 z, span.stop - span.start, h, w].
+    """
+    factor = temporal_factor(vae)
+    with _output_replaced(vae.quant_conv, lambda inp, _out: inp):
+        if span.stop <= span.start:
+            return encode_fn(x[:, :, :1])[:, :, :0]
+        # Window from pixel frame factor * window: encoded as a lone first frame, then chunks
+        # aligned with the global ones (local latent j is global latent window + j).
+        first = factor * span.window
+        moments = encode_fn(x[:, :, first : 1 + factor * (span.stop - 1)])
+    return moments[:, :, span.start - span.window : span.stop - span.window]
+
+
+def finish_encode(vae, encoded: torch.Tensor) -> torch.Tensor:
+    """``quant_conv`` over the whole clip's encoder output, batched as the stock encode does."""
+    if _per_sample(vae, encoded.shape[0]):
+        return torch.cat([vae.quant_conv(one) for one in encoded.split(1)])
+    return vae.quant_conv(encoded)
+
+
 def _gather_frames(local: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     """all_gather of [B, C, T_r, H, W] with per-rank T_r, by padding to max(T_r)."""
     longest = max(counts)
@@ -126,8 +242,12 @@ def _gather_frames(local: torch.Tensor, counts: list[int], group) -> torch.Tenso
 
 
 def parallel_decode(
-    vae, z: torch.Tensor, decode_fn, group=None, receptive_field: int | None = None
-):
+    vae,
+    z: torch.Tensor,
+    decode_fn: Callable[[torch.Tensor], torch.Tensor],
+    group=None,
+    receptive_field: int | None = None,
+) -> torch.Tensor:
     """Decode latents ``z`` [B, C, T, h, w] across the ranks of ``group``; all ranks get all frames.
 
     Args:
@@ -143,43 +263,30 @@ def parallel_decode(
     factor = temporal_factor(vae)
     spans = plan_spans(z.shape[2], world, field)
     counts = [_output_index(s.stop, factor) - _output_index(s.start, factor) for s in spans]
-    mine = spans[rank]
-    if mine.stop > mine.start:
-        frames = decode_fn(z[:, :, mine.window : mine.stop])
-        begin = _output_index(mine.start - mine.window, factor)
-        local = frames[:, :, begin : begin + counts[rank]]
-    else:
-        # No frames here, but the gather still needs a tensor of the right shape and dtype.
-        probe = decode_fn(z[:, :, :1])
-        local = probe[:, :, :0]
-    return _gather_frames(local, counts, group)
+    return _gather_frames(decode_span(vae, z, spans[rank], decode_fn), counts, group)
 
 
 def parallel_encode(
-    vae, x: torch.Tensor, encode_fn, group=None, receptive_field: int | None = None
-):
+    vae,
+    x: torch.Tensor,
+    encode_fn: Callable[[torch.Tensor], torch.Tensor],
+    group=None,
+    receptive_field: int | None = None,
+) -> torch.Tensor:
     """Encode video ``x`` [B, 3, T, H, W] across ranks; every rank gets the full moments.
 
     Args:
         vae: the AutoencoderKLWan.
         x: pixels, identical on every rank; T = 1 + 4k as Wan expects.
-        encode_fn: the single-process encode to moments, ``encode_fn(x) -> [B, 2 z, T_lat, h, w]``.
+        encode_fn: the single-process encode to moments, ``encode_fn(x) -> [B, 2 z, T_lat, h, w]``
+            (run with ``vae.quant_conv`` skipped; the ranks apply it once to the gathered clip).
         group: process group (None = default).
         receptive_field: override of :func:`encoder_receptive_field`.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     field = encoder_receptive_field(vae) if receptive_field is None else receptive_field
-    factor = temporal_factor(vae)
-    latents = 1 + (x.shape[2] - 1) // factor
+    latents = 1 + (x.shape[2] - 1) // temporal_factor(vae)
     spans = plan_spans(latents, world, field)
     counts = [s.stop - s.start for s in spans]
-    mine = spans[rank]
-    if mine.stop > mine.start:
-        # Window from pixel frame factor * window: encoded as a lone first frame, then chunks
-        # aligned with the global ones (local latent j is global latent window + j).
-        first = factor * mine.window
-        moments = encode_fn(x[:, :, first : 1 + factor * (mine.stop - 1)])
-        local = moments[:, :, mine.start - mine.window : mine.stop - mine.window]
-    else:
-        local = encode_fn(x[:, :, :1])[:, :, :0]
-    return _gather_frames(local, counts, group)
+    encoded = _gather_frames(encode_span(vae, x, spans[rank], encode_fn), counts, group)
+    return finish_encode(vae, encoded)
