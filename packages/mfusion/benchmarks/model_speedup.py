@@ -13,6 +13,10 @@ options path with every pass off: its graph is identical to plain Inductor's but
 and loaded separately, so its ratio is the noise floor of the run (it should be 1.00).
 
     python packages/mfusion/benchmarks/model_speedup.py --out bench-results/mfusion
+
+Which rewrites run depends on the machine (``matmul_cast`` needs native bf16 GEMMs, ``patch_conv``
+rewrites only shape classes measured on this ISA level): the tables record mfusion's machine
+profile next to npu_core's environment block, so a table says which machine it came from.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from zoo.transformers import Bert, Clip, Llama, Speech, ViT
 from zoo.vision import DCGANGenerator, ResNet18
 
 import mfusion
+from mfusion.machine import MachineProfile
 from npu_core.bench import BenchTable, Timing, compare, measure
 
 Factory = Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
@@ -114,7 +119,10 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         control = torch.compile(
             model, options=mfusion.compile_options(backend=args.backend, passes=(), auto_fuse=False)
         )
-        fused = torch.compile(model, options=mfusion.compile_options(backend=args.backend))
+        fused = torch.compile(
+            model,
+            options=mfusion.compile_options(backend=args.backend, patch_conv=args.patch_conv),
+        )
         out_plain, compile_plain = _compile(lambda: plain(*inputs))
         control(*inputs)
         mfusion.clear_report()
@@ -167,6 +175,12 @@ def main() -> None:
         "--tol", type=float, default=1e-3, help="accuracy gate: max abs error / scale"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument(
+        "--patch-conv",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="patch_conv policy (default auto: only shape classes measured on this ISA level)",
+    )
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -200,8 +214,12 @@ def main() -> None:
         )
     ratios = [r["mfusion / inductor"] for r in rows if r["transformer"]]
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
+    profile = MachineProfile.detect()
     metadata = {
         "backend": args.backend,
+        "patch_conv": args.patch_conv,
+        "mfusion machine profile": profile.describe(),
+        "mfusion ISA level": profile.isa_level,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
@@ -221,6 +239,7 @@ def main() -> None:
         table.add(**{c: row[c] for c in columns})
     table.write(args.out, "model_speedup")
     print(table.to_markdown())
+    print(f"mfusion machine profile: {profile.describe()} (ISA level {profile.isa_level})")
     print(
         f"geomean mfusion/inductor over transformer models: {geomean:.3f}x; "
         f"min over all models: {metadata['min mfusion/inductor']:.3f}x"

@@ -36,6 +36,10 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 # Fixed machine profiles: tests of machine-dependent rewrites pin the machine they decide for, so
 # the outcome never depends on the CPU, ISA cap or thread count the tests run on.
 AVX512_BF16 = MachineProfile(
-    arch="x86_64", cpu_model="test AVX-512 BF16", cpu_capability="AVX512", avx512_bf16=True
+    arch="x86_64",
+    cpu_model="test AVX-512 BF16",
+    cpu_capability="AVX512",
+    avx512_bf16=True,
+    fast_bf16_gemm=True,
 )
 AVX2 = MachineProfile(arch="x86_64", cpu_model="test AVX2", cpu_capability="AVX2")

@@ -138,6 +138,7 @@ def _case(kind: str):
         # Measured 0.96x under the AVX2 cap (1.41x with AVX-512): kept there.
         (AVX2, "single", False),
         (dataclasses.replace(AVX512_BF16, onednn_max_isa="AVX2"), "single", False),
+        (dataclasses.replace(AVX512_BF16, onednn_max_isa="nonsense"), "tiles", False),
         # Not measured: AMX machines, AVX-512 without BF16, other architectures.
         (dataclasses.replace(AVX512_BF16, amx=True), "tiles", False),
         (dataclasses.replace(AVX512_BF16, avx512_bf16=False), "tiles", False),
@@ -149,6 +150,7 @@ def _case(kind: str):
         "avx2-tiles",
         "avx2-single",
         "onednn-cap-single",
+        "unknown-cap-tiles",
         "amx-tiles",
         "avx512-no-bf16-tiles",
         "arm-tiles",

@@ -12,23 +12,25 @@ for another, and whether that pays depends on the CPU:
   the rule is used only on the ISA levels and dtypes it was measured on (see
   ``mfusion.passes.patch_conv.MEASURED``).
 
-:class:`MachineProfile` captures those capabilities. It is detected once per call of
-:meth:`MachineProfile.detect` (cheap) or injected through ``MFusionConfig(machine=...)`` in tests,
-and its :meth:`~MachineProfile.fingerprint` is part of the pass manager's ``uuid()``: a graph
-compiled on one machine is never served from Inductor's FX cache on a machine where these
-decisions could differ (another CPU, an ISA cap, another thread count).
+:class:`MachineProfile` captures those capabilities, read through ``npu_core.capability`` (CPU
+model, ATen ISA, flags, oneDNN cap; fast low-precision GEMMs from the flags confirmed by one timing
+per process and dtype). :meth:`MachineProfile.detect` builds it (cheap after the first call);
+tests inject a fixed one through ``MFusionConfig(machine=...)``. Its
+:meth:`~MachineProfile.fingerprint`, measured answers included, is part of the pass manager's
+``uuid()``: a graph compiled on one machine is never served from Inductor's FX cache on a machine
+where these decisions could differ (another CPU, an ISA cap, another thread count).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
-import os
 import platform
 
 import torch
+
+from npu_core import capability
 
 # oneDNN's ISA names from the lowest to the highest (x86-64), as ONEDNN_MAX_CPU_ISA takes them.
 ONEDNN_ISAS = (
@@ -66,27 +68,6 @@ def _onednn_allows(cap: str, isa: str) -> bool:
     return ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
 
 
-@functools.cache
-def _cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, ``platform.processor()`` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            for line in info:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flag(name: str) -> bool:
-    probe = getattr(torch.cpu, name, None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MachineProfile:
     """The CPU capabilities the machine-dependent rewrites are gated on.
@@ -106,7 +87,7 @@ class MachineProfile:
     ``DEFAULT``, ... (lowered by ``ATEN_CPU_CAPABILITY``)."""
 
     onednn_max_isa: str = ""
-    """``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``); empty when oneDNN may use everything."""
+    """``ONEDNN_MAX_CPU_ISA``; empty when oneDNN may use everything."""
 
     avx512_bf16: bool = False
     """The CPU has AVX-512 BF16 dot products."""
@@ -114,8 +95,12 @@ class MachineProfile:
     amx: bool = False
     """The CPU has AMX tiles (bf16 and int8 matrix units)."""
 
-    amx_fp16: bool = False
-    """The CPU's AMX units also take fp16."""
+    fast_bf16_gemm: bool = False
+    """A CPU bf16 GEMM is at least as fast as the fp32 one here: the flags claim native bf16 and
+    one timing against fp32 confirmed it (``npu_core.capability.fast_matmul``)."""
+
+    fast_fp16_gemm: bool = False
+    """The same for fp16 (AVX-512 FP16 or AMX-FP16, confirmed by one timing)."""
 
     threads: int = 1
     """``torch.get_num_threads()``: measured trade-offs between kernels move with it."""
@@ -125,17 +110,19 @@ class MachineProfile:
 
     @classmethod
     def detect(cls) -> MachineProfile:
-        """The profile of this process: hardware flags, ISA caps from the environment, threads."""
+        """The profile of this process: CPU facts and ISA caps as ``npu_core.capability`` read
+        them (once per process), the measured GEMM answers (cached per process) and the current
+        thread count."""
+        cpu = capability.cpu_info()
         return cls(
             arch=platform.machine().lower(),
-            cpu_model=_cpu_model(),
-            cpu_capability=torch.backends.cpu.get_cpu_capability(),
-            onednn_max_isa=(
-                os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-            ),
-            avx512_bf16=_cpu_flag("_is_avx512_bf16_supported"),
-            amx=_cpu_flag("_is_amx_tile_supported"),
-            amx_fp16=_cpu_flag("_is_amx_fp16_supported"),
+            cpu_model=cpu.model,
+            cpu_capability=cpu.isa,
+            onednn_max_isa=cpu.onednn_isa_cap or "",
+            avx512_bf16="avx512_bf16" in cpu.flags,
+            amx=cpu.amx,
+            fast_bf16_gemm=capability.fast_matmul("cpu", torch.bfloat16),
+            fast_fp16_gemm=capability.fast_matmul("cpu", torch.float16),
             threads=torch.get_num_threads(),
             cuda_capability=(
                 tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
@@ -161,31 +148,23 @@ class MachineProfile:
         return "other"
 
     def native_cpu_gemm(self, dtype: torch.dtype) -> bool:
-        """True if a ``dtype`` GEMM runs on native units here (not emulated through fp32).
+        """True if a CPU GEMM in ``dtype`` is not slower than in fp32 here (not emulated).
 
-        fp32/fp64 always do. bf16 needs AVX-512 BF16 or AMX, usable by both ATen (its capability
-        not lowered below AVX-512) and oneDNN (not capped below ``AVX512_CORE_BF16``); fp16 needs
-        AMX-FP16 likewise. Other architectures count as not native (conservative: the graph keeps
-        the fp32 GEMM it was written with).
+        fp32/fp64 always; bf16/fp16 as measured (:attr:`fast_bf16_gemm`, :attr:`fast_fp16_gemm`).
         """
         if dtype in (torch.float32, torch.float64):
             return True
-        if self.arch not in ("x86_64", "amd64") or not self.cpu_capability.upper().startswith(
-            "AVX512"
-        ):
-            return False
         if dtype == torch.bfloat16:
-            if self.amx and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_AMX"):
-                return True
-            return self.avx512_bf16 and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_BF16")
+            return self.fast_bf16_gemm
         if dtype == torch.float16:
-            return self.amx_fp16 and _onednn_allows(self.onednn_max_isa, "AVX512_CORE_AMX_FP16")
+            return self.fast_fp16_gemm
         return False
 
     def describe(self) -> str:
         """One line for reports and refusal reasons."""
         cap = f", oneDNN cap {self.onednn_max_isa}" if self.onednn_max_isa else ""
-        flags = [n for n in ("avx512_bf16", "amx", "amx_fp16") if getattr(self, n)]
+        flags = [n for n in ("avx512_bf16", "amx") if getattr(self, n)]
+        flags += [f"fast {d} GEMM" for d in ("bf16", "fp16") if getattr(self, f"fast_{d}_gemm")]
         return (
             f"{self.cpu_model} ({self.arch}, ATen {self.cpu_capability}{cap}, "
             f"{'+'.join(flags) or 'no bf16/AMX'}, {self.threads} threads)"
@@ -198,7 +177,7 @@ class MachineProfile:
 
 
 def native_gemm(machine: MachineProfile, dtype: torch.dtype, device: torch.device) -> bool:
-    """True if a ``dtype`` GEMM on ``device`` runs natively (see :meth:`native_cpu_gemm`).
+    """True if a ``dtype`` GEMM on ``device`` is not slower than fp32 (see :meth:`native_cpu_gemm`).
 
     CUDA: bf16 tensor cores from compute capability 8.0, fp16 from 7.0. NPU (Ascend cube units):
     fp16 and bf16. Other devices: only fp32/fp64 (conservative).

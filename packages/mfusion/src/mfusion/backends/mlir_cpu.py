@@ -4,6 +4,10 @@ The outlined call is ``torch.ops.mfusion.mlir_region(inputs, ir, out_spec)``: th
 torch-backend IR travels in the graph as a string, so a graph loaded from Inductor's cache in a
 new process recompiles it on first use. Regions are compiled at pass time too, so one that
 torch-mlir cannot lower is declined (and stays with Inductor) instead of failing at run time.
+
+Nothing here is tuned to one CPU: which regions are outlined depends on the capability table and
+on whether torch-mlir lowers them, and the graph carries IR, not machine code. The LLVM JIT
+compiles for the CPU it runs on, per process, so a cached graph moved to another CPU recompiles.
 """
 
 from __future__ import annotations

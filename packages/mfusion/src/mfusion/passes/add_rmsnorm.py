@@ -2,6 +2,9 @@
 
 Both outputs (the new residual and the normalised tensor) come from one canonical region, so
 Inductor reads the two addends once and writes the sum and the norm from one kernel.
+
+Universal (no machine check): the sum is not written and read back by a second kernel, so it
+never makes more passes over memory on any machine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""BMM with batch 1 into MM: the 2-D GEMM path skips batched-GEMM set-up and strides."""
+"""BMM with batch 1 into MM: the 2-D GEMM path skips batched-GEMM set-up and strides.
+
+Universal (no machine check): the same single GEMM on the same data; only views are added.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Matmul with inner dimension K=1 into a broadcast multiply (an outer product, no GEMM call)."""
+"""Matmul with inner dimension K=1 into a broadcast multiply (an outer product, no GEMM call).
+
+Universal (no machine check): the same M*N products written once, without a GEMM call, and as an
+elementwise op Inductor can fuse with its neighbours: never more work or memory traffic.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Hand-written LayerNorm reduces twice (the mean, then the mean of squared deviations).
 ``var_mean`` computes both statistics in one pass over the row, which Inductor lowers to a
 single Welford reduction; the normalisation multiplies by ``rsqrt`` instead of dividing.
+
+Universal (no machine check): one pass over each row instead of two, on any machine.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 GEMM kernels take a transposed operand through its strides (BLAS ``trans`` flags), so
 ``mm(a, w.t().contiguous())`` copies the whole weight for nothing.
+
+Universal (no machine check): one copy of the operand fewer, the same GEMM; strictly fewer passes
+over memory on any machine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Mean + Var of the same tensor over the same dims into one ``var_mean`` (one pass over data)."""
+"""Mean + Var of the same tensor over the same dims into one ``var_mean`` (one pass over data).
+
+Universal (no machine check): one pass over the data instead of two, on any machine.
+"""
 
 from __future__ import annotations
 

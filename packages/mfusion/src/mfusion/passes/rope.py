@@ -4,6 +4,9 @@
 the split form ``cat(x1 c1 - x2 s1, x2 c2 + x1 s2)`` reads each half once and has no negation.
 In bf16/fp16 the split form rounds at other points than eager's chain of bf16 ops, so it is
 refused there unless ``rope_low_precision`` is set.
+
+Universal (no machine check): no rotated copy and no negation, the same passes over memory: never
+more work on any machine.
 """
 
 from __future__ import annotations
