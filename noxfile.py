@@ -9,6 +9,7 @@ fails there.
 from __future__ import annotations
 
 import tomllib
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nox
@@ -70,6 +71,67 @@ def tests_all(session: nox.Session) -> None:
     """
     _sync(session, "--all-packages", "--group", "dev")
     _pytest(session, ROOT / "tests")
+
+
+@nox.session
+def device(session: nox.Session) -> None:
+    """The device tier: every package's tests marked ``device`` (CUDA or NPU only).
+
+    Not a default session. One pytest run per package, because test files of different packages
+    may share a basename. Without an accelerator every device test skips with its reason, and a
+    package without device tests exits 5 (nothing collected), which is not a failure. Numbers the
+    tests record (``record_property``) land in ``bench-results/device/<package>.xml`` and in one
+    ``bench-results/device/SUMMARY.md`` headed by the machine they were measured on.
+    """
+    _sync(session, "--all-packages", "--group", "dev")
+    out = ROOT / "bench-results" / "device"
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for name, path in PACKAGES.items():
+        report = out / f"{name}.xml"
+        report.unlink(missing_ok=True)
+        session.log(f"{name}: device tests")
+        session.run(
+            "pytest",
+            str(path / "tests"),
+            "-m",
+            "device",
+            "-rs",
+            f"--junitxml={report}",
+            # xunit1 keeps record_property values in the report (xunit2 warns and drops them)
+            "-o",
+            "junit_family=xunit1",
+            *session.posargs,
+            success_codes=[0, 5],
+        )
+        reports.append((name, report))
+    machine_code = "from npu_core.bench import machine_line; print(machine_line())"
+    machine = session.run("python", "-c", machine_code, silent=True)
+    summary = out / "SUMMARY.md"
+    summary.write_text(_device_summary(str(machine or "").strip(), reports))
+    session.log(f"device tier summary -> {summary}")
+
+
+def _device_summary(machine: str, reports: list[tuple[str, Path]]) -> str:
+    """Markdown: per package and test, the outcome and the numbers the test recorded."""
+    lines = ["# Device tier", "", machine, "", "| package | test | outcome | numbers |"]
+    lines.append("| --- | --- | --- | --- |")
+    for name, report in reports:
+        if not report.exists():
+            continue
+        for case in ET.parse(report).getroot().iter("testcase"):
+            outcome = "passed"
+            for tag in ("skipped", "failure", "error"):
+                element = case.find(tag)
+                if element is not None:
+                    outcome = f"{tag}: {element.get('message', '')}".strip()
+                    break
+            numbers = ", ".join(
+                f"{prop.get('name')}={prop.get('value')}" for prop in case.iter("property")
+            )
+            test = case.get("name", "")
+            lines.append(f"| {name} | {test} | {outcome.replace('|', '/')} | {numbers} |")
+    return "\n".join(lines) + "\n"
 
 
 @nox.session
