@@ -167,7 +167,7 @@ class MachineProfile:
         flags += [f"fast {d} GEMM" for d in ("bf16", "fp16") if getattr(self, f"fast_{d}_gemm")]
         return (
             f"{self.cpu_model} ({self.arch}, ATen {self.cpu_capability}{cap}, "
-            f"{'+'.join(flags) or 'no bf16/AMX'}, {self.threads} threads)"
+            f"{'+'.join(flags) or 'no bf16/AMX'}, torch threads {self.threads})"
         )
 
     def fingerprint(self) -> str:

@@ -44,16 +44,19 @@ SINGLE_CHANNEL = "single-channel"
 # Ratios are oneDNN convolution time / im2col + GEMM time, both compiled:
 #   AVX-512 BF16 CPU, fp32: 8x8/8 over 3 channels 2.06, 3x3/2 over 1 channel 1.41, 3x3/2 over 32
 #     channels 0.46; bf16: 1.87, 1.59, 0.70.
-#   Same CPU capped to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), fp32: 1.91, 0.96
-#     (single-channel windows do not pay there), 0.31; bf16 (emulated): 1.01, 0.52, 1.38, so
-#     no bf16 class is listed for AVX2 (the 32-channel win is one shape, against the ResNet run).
-# 1x1/2 convolutions over 64-128 channels measured 1.3-2.5 alone on both levels, but ResNet-18
-# with its shortcuts rewritten ran 2% slower (AVX-512 BF16, fp32): multi-channel strided windows
-# stay refused everywhere (shape_class None).
+#   Same CPU capped to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), fp32: 1.91, 0.96,
+#     0.31; bf16 (emulated): 1.01, 0.52, 1.38, so no bf16 class is listed for AVX2 (the
+#     32-channel win is one shape, and the same class lost in fp32 and in ResNet-18).
+# Whole models overrule single convolutions: under the AVX2 cap the speech model (its 3x3/2
+# single-channel front end) ran 1.30x faster with that convolution rewritten (41 interleaved
+# rounds, p25-p75 1.06-1.54) although the convolution alone measured 0.96, so single-channel
+# windows are listed for AVX2 fp32. 1x1/2 convolutions over 64-128 channels measured 1.3-2.5
+# alone on both levels, but ResNet-18 with its shortcuts rewritten ran 2% slower (AVX-512 BF16,
+# fp32): multi-channel strided windows stay refused everywhere (shape_class None).
 MEASURED: dict[tuple[str, torch.dtype], frozenset[str]] = {
     ("avx512-bf16", torch.float32): frozenset({TILES, SINGLE_CHANNEL}),
     ("avx512-bf16", torch.bfloat16): frozenset({TILES, SINGLE_CHANNEL}),
-    ("avx2", torch.float32): frozenset({TILES}),
+    ("avx2", torch.float32): frozenset({TILES, SINGLE_CHANNEL}),
 }
 
 
