@@ -45,7 +45,7 @@ def _nccl_after_async_init(late_s: float) -> dict:
     device_work_ms = 1000 * (time.perf_counter() - overlap_start)
 
     collective_start = time.perf_counter()
-    assert dist.get_world_size() == world  # first use: blocks until the group exists
+    joined = dist.get_world_size()  # first use: blocks until the group exists
     summed = torch.full((3,), float(rank + 1), device=device)
     dist.all_reduce(summed)
     gathered = [torch.empty(2, device=device) for _ in range(world)]
@@ -63,9 +63,9 @@ def _nccl_after_async_init(late_s: float) -> dict:
         if getattr(getattr(module, attr, None), "__mccl_gate__", False)
     ]
     elapsed = handle.elapsed()
-    return {
+    result = {
         "rank": dist.get_rank(),
-        "world": world,
+        "world": joined,
         "backend": str(dist.get_backend()),
         "sum": summed.cpu().tolist(),
         "gathered": [g.cpu().tolist() for g in gathered],
@@ -80,6 +80,8 @@ def _nccl_after_async_init(late_s: float) -> dict:
         "device_work_ms": device_work_ms,
         "first_collective_ms": first_collective_ms,
     }
+    dist.destroy_process_group()  # the launcher only tears down groups it created itself
+    return result
 
 
 @pytest.mark.parametrize("world", [1, 2])
