@@ -1,21 +1,34 @@
 """Rendezvous: reach the shared store, announce this rank, wait until every rank has.
 
 The arrival keys are what lets a timeout name the ranks that never came, instead of a bare
-"timed out" from deep inside process-group construction.
+"timed out" from deep inside process-group construction. Every wait here is made of short steps
+or non-blocking calls, so that the initialising thread can give up at the deadline, or when the
+interpreter exits, instead of sitting in a C++ store call (``mccl._worker`` says why that
+matters).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
+import threading
+import time
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
 from mccl.config import InitRequest
-from mccl.errors import InitTimeoutError
+from mccl.errors import InitTimeoutError, MCCLError
 
-_ARRIVED = "mccl/arrived/{rank}"
+POLL_S = 0.5
+"""Longest single blocking call while waiting for peers (a connection attempt to the store);
+also how often the ranks still missing are listed one by one."""
+
+_PROBE_PAUSE_S = 0.1
+_POLL_FRACTION = 0.05
+_MIN_PAUSE_S = 0.0005
+_MAX_PAUSE_S = 0.05
 
 
 def store_address(request: InitRequest) -> str:
@@ -28,16 +41,31 @@ def store_address(request: InitRequest) -> str:
     return request.init_method
 
 
-def connect_store(request: InitRequest) -> dist.Store:
-    """Create (rank 0) or join the rendezvous store within ``init_timeout``.
+def abandoned_error(request: InitRequest) -> MCCLError:
+    """What the thread records when it stops early because the interpreter is exiting."""
+    return MCCLError(
+        f"mccl initialisation of rank {request.rank} was abandoned: the interpreter exited first"
+    )
+
+
+def connect_store(request: InitRequest, deadline: float, stop: threading.Event) -> dist.Store:
+    """Create (rank 0) or join the rendezvous store before ``deadline`` (a monotonic time).
 
     For env:// and tcp:// the store is built here without waiting for workers: torch's own
     handler makes rank 0 block in the constructor until everyone connects, and then fails
-    without saying who is missing. Other schemes (file://) go through torch's rendezvous.
+    without saying who is missing. A joining rank first waits, in Python, until the store's port
+    accepts connections, so the client constructor that follows returns at once; torch's
+    constructor alone retries for up to twice its timeout and cannot be stopped. Other schemes
+    (file://) go through torch's rendezvous.
+
+    Raises:
+        InitTimeoutError: the store did not accept connections before ``deadline`` (rank 0,
+            which hosts it, never arrived).
+        MCCLError: ``stop`` was set first.
     """
-    timeout = datetime.timedelta(seconds=request.init_timeout_s)
     url = urlparse(request.init_method)
     if url.scheme not in ("env", "tcp"):
+        timeout = datetime.timedelta(seconds=request.init_timeout_s)
         store, _, _ = next(
             dist.rendezvous(request.init_method, request.rank, request.world_size, timeout=timeout)
         )
@@ -49,27 +77,53 @@ def connect_store(request: InitRequest) -> dist.Store:
         and os.environ.get("MASTER_PORT") == str(port)
     )
     is_master = request.rank == 0 and not agent_serves
+    if not is_master:
+        _await_listener(host, port, request, deadline, stop)
     try:
-        return dist.TCPStore(
+        store = dist.TCPStore(
             host,
             port,
             request.world_size,
             is_master=is_master,
-            timeout=timeout,
+            # Cut to the budget: after a successful probe the connection is immediate.
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), POLL_S)),
             wait_for_workers=False,
             multi_tenant=True,
         )
     except (RuntimeError, dist.DistError) as exc:
         if is_master:
             raise
-        raise InitTimeoutError(
-            f"rank {request.rank} could not reach the rendezvous store at {host}:{port} within "
-            f"{request.init_timeout_s:g} s: rank 0, which hosts it, never arrived (or MASTER_ADDR "
-            "/ MASTER_PORT point elsewhere)",
-            missing_ranks=[0],
-            address=f"{host}:{port}",
-            timeout=request.init_timeout_s,
-        ) from exc
+        raise _unreachable_error(request, host, port) from exc
+    # Later get()s without their own timeout (process-group construction) use the store's.
+    store.set_timeout(datetime.timedelta(seconds=request.init_timeout_s))
+    return store
+
+
+def _await_listener(
+    host: str, port: int, request: InitRequest, deadline: float, stop: threading.Event
+) -> None:
+    while True:
+        remaining = deadline - time.monotonic()
+        if stop.is_set():
+            raise abandoned_error(request)
+        if remaining <= 0:
+            raise _unreachable_error(request, host, port)
+        try:
+            with socket.create_connection((host, port), timeout=min(POLL_S, remaining)):
+                return
+        except OSError:
+            stop.wait(min(_PROBE_PAUSE_S, max(deadline - time.monotonic(), 0.0)))
+
+
+def _unreachable_error(request: InitRequest, host: str, port: int) -> InitTimeoutError:
+    return InitTimeoutError(
+        f"rank {request.rank} could not reach the rendezvous store at {host}:{port} within "
+        f"{request.init_timeout_s:g} s: rank 0, which hosts it, never arrived (or MASTER_ADDR "
+        "/ MASTER_PORT point elsewhere)",
+        missing_ranks=[0],
+        address=f"{host}:{port}",
+        timeout=request.init_timeout_s,
+    )
 
 
 def _host_port(request: InitRequest, url) -> tuple[str, int]:
@@ -87,12 +141,53 @@ def _host_port(request: InitRequest, url) -> tuple[str, int]:
 
 
 def announce(store: dist.Store, request: InitRequest) -> None:
-    """Register this rank's arrival; read back by :func:`missing_ranks` only on a timeout.
+    """Register this rank's arrival, for :func:`await_arrivals` on every rank."""
+    store.set(_arrival_key(request.rank), str(os.getpid()))
 
-    No barrier here: process-group construction waits for every rank anyway, and an extra
-    all-ranks round through the store costs milliseconds of scheduling on a busy host.
+
+def _arrival_key(rank: int) -> str:
+    return f"mccl/arrived/{rank}"
+
+
+def await_arrivals(
+    store: dist.Store, request: InitRequest, deadline: float, stop: threading.Event
+) -> None:
+    """Return once every rank has announced itself in ``store``.
+
+    Process-group construction would wait for the peers anyway, but inside one C++ call bounded
+    only by the collective timeout (30 min by default). So the waiting happens here, with
+    non-blocking ``check`` calls: a blocking ``store.wait`` in short steps would do, but TCPStore
+    logs two warnings for every step that times out. The pause between checks grows with the
+    time waited (:data:`_POLL_FRACTION` of it, from 0.5 ms to 50 ms), so the wait overshoots
+    the last arrival by at most that fraction and a long wait costs a few requests a second.
+    The ranks still missing are listed again, one check each, every :data:`POLL_S`.
+
+    Raises:
+        InitTimeoutError: ``deadline`` passed with ranks missing, or the store closed (its host
+            gave up) while they were; ``missing_ranks`` names them.
+        MCCLError: ``stop`` was set first.
     """
-    store.set(_ARRIVED.format(rank=request.rank), str(os.getpid()))
+    pending = list(range(request.world_size))
+    listed = False  # whether ``pending`` has been listed key by key (else: everyone)
+    started = listed_at = time.monotonic()
+    while True:
+        try:
+            if store.check([_arrival_key(rank) for rank in pending]):
+                return
+            now = time.monotonic()
+            if now >= deadline or stop.is_set() or now - listed_at >= POLL_S:
+                pending = [rank for rank in pending if not store.check([_arrival_key(rank)])]
+                listed, listed_at = True, now
+        except (RuntimeError, dist.DistError) as exc:
+            raise _store_lost_error(request, pending if listed else None) from exc
+        if not pending:
+            return
+        if stop.is_set():
+            raise abandoned_error(request)
+        if now >= deadline:
+            raise timeout_error(request, pending)
+        pause = min(max((now - started) * _POLL_FRACTION, _MIN_PAUSE_S), _MAX_PAUSE_S)
+        stop.wait(min(pause, deadline - now))
 
 
 def timeout_error(request: InitRequest, missing: list[int]) -> InitTimeoutError:
@@ -107,16 +202,21 @@ def timeout_error(request: InitRequest, missing: list[int]) -> InitTimeoutError:
     )
 
 
-def missing_ranks(store: dist.Store, world_size: int) -> list[int] | None:
-    """Ranks whose arrival key is not in ``store`` now; None when the store cannot be read.
-
-    Reads through a clone (its own connection): the initialising thread may be blocked in a
-    wait on the original, and a store client serves one request at a time.
-    """
-    try:
-        reader = store.clone()
-        return [
-            rank for rank in range(world_size) if not reader.check([_ARRIVED.format(rank=rank)])
-        ]
-    except (RuntimeError, dist.DistError):
-        return None
+def _store_lost_error(request: InitRequest, missing: list[int] | None) -> MCCLError:
+    address = store_address(request)
+    if not missing:
+        return MCCLError(
+            f"rank {request.rank} lost its connection to the rendezvous store {address} while "
+            "waiting for the other ranks (its host, rank 0 or torchrun's agent, exited)"
+        )
+    # Typically rank 0 reached its own init_timeout a moment earlier and closed the store: from
+    # here it is the same timeout, and these are the same absent ranks.
+    return InitTimeoutError(
+        f"ranks {missing} of {request.world_size} had not arrived at the rendezvous store "
+        f"{address} when it closed (seen from rank {request.rank}; its host, rank 0 or "
+        "torchrun's agent, gave up or exited); check that every rank was started and can reach "
+        "that address",
+        missing_ranks=missing,
+        address=address,
+        timeout=request.init_timeout_s,
+    )

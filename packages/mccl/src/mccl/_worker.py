@@ -1,9 +1,23 @@
-"""The background thread: rendezvous, default process group, then queued sub-groups."""
+"""The background thread: rendezvous, default process group, then queued sub-groups.
+
+A failure is decided once and kept: every later use re-raises the same exception at once.
+
+The thread never stays inside a long C++ store call while peers are missing, and is stopped and
+joined at interpreter exit. A store call cannot be interrupted from Python, and one that returns
+while the interpreter finalises (its timeout, or the store's host exiting and closing the
+connection) re-acquires the GIL from pybind11; CPython then ends the thread with pthread_exit,
+whose forced unwind through that noexcept destructor aborts the whole process with "terminate
+called without an active exception". Making the thread a daemon does not help; only having it
+out of C++ before finalisation does.
+"""
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
+from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
@@ -11,17 +25,22 @@ import torch.distributed as dist
 from mccl import gate
 from mccl._rendezvous import (
     announce,
+    await_arrivals,
     connect_store,
-    missing_ranks,
     store_address,
-    timeout_error,
 )
 from mccl.config import InitRequest
 from mccl.errors import InitTimeoutError
 
-# When init_timeout passes with every rank arrived, process-group construction is still
-# connecting: it gets this much longer before the first use gives up on it.
 STALL_GRACE_S = 10.0
+"""When every rank has arrived, process-group construction may run this much past init_timeout
+before the first use gives up on it (its gloo/NCCL connections are still being made)."""
+
+EXIT_JOIN_S = STALL_GRACE_S
+"""Longest wait at interpreter exit for a thread still constructing the process group. Waiting
+for peers it leaves within one store step (``_rendezvous.POLL_S``)."""
+
+_workers: weakref.WeakSet[InitWorker] = weakref.WeakSet()
 
 
 class GroupFuture:
@@ -59,8 +78,11 @@ class InitWorker:
         self.deadline = self.started_at + request.init_timeout_s
         self.finished_at: float | None = None
         self.error: BaseException | None = None
+        self._error_tb: TracebackType | None = None
         self._store: dist.Store | None = None
-        self._done = threading.Event()
+        self._all_arrived = False
+        self._settled = threading.Event()  # the outcome (ready or failed) is known
+        self._stop = threading.Event()  # asks the thread to leave its waits for peers
         self._lock = threading.Lock()
         self._queued: list[GroupFuture] = []
         self._accepting = True
@@ -68,32 +90,46 @@ class InitWorker:
 
     def start(self) -> None:
         gate.install(self)
+        _workers.add(self)
         self._thread.start()
 
     def is_worker_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
     def done(self) -> bool:
-        return self._done.is_set()
+        """Whether the outcome is known: ready, or failed (then for good)."""
+        return self._settled.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds; True when finished (successfully or not)."""
-        return self._done.wait(timeout)
+        """Wait up to ``timeout`` seconds; True when the outcome is known."""
+        return self._settled.wait(timeout)
 
     def wait_for_use(self) -> None:
         """Called by the gate: block until ready, re-raise a failure, never wait forever.
 
-        At ``init_timeout`` the arrival keys in the store name any rank that never came.
+        The thread itself reports absent ranks at ``init_timeout``; past it only construction
+        with every rank present can still be running, and it gets :data:`STALL_GRACE_S`.
         """
-        if not self._done.wait(max(self.deadline - time.monotonic(), 0.0)):
-            store = self._store
-            missing = None if store is None else missing_ranks(store, self.request.world_size)
-            if missing:
-                raise timeout_error(self.request, missing)
-            if not self._done.wait(STALL_GRACE_S):
-                raise self._stall_error()
-        if self.error is not None:
-            raise self.error
+        if not self._settled.is_set():
+            limit = self.deadline + STALL_GRACE_S - time.monotonic()
+            if not self._settled.wait(max(limit, 0.0)):
+                self._settle(self._stall_error())
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the recorded failure, with the traceback it was recorded with."""
+        error = self.error
+        if error is not None:
+            # Re-raising appends frames to __traceback__; restore it so repeated uses (torch's
+            # c10d_logger calls is_initialized() while handling the first) do not pile them up.
+            raise error.with_traceback(self._error_tb)
+
+    def stop_and_join(self, timeout: float) -> bool:
+        """Ask the thread to stop waiting for peers and join it; True when it has ended."""
+        self._stop.set()
+        if self._thread.is_alive() and not self.is_worker_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def enqueue_group(self, kwargs: dict[str, Any]) -> GroupFuture | None:
         """Queue a sub-group for creation right after the default group; None if too late."""
@@ -104,14 +140,30 @@ class InitWorker:
             self._queued.append(future)
             return future
 
+    def _settle(self, error: BaseException | None) -> bool:
+        """Record the outcome once (the first caller wins); True if this call recorded it."""
+        with self._lock:
+            if self._settled.is_set():
+                return False
+            self.error = error
+            self._error_tb = None if error is None else error.__traceback__
+            self.finished_at = time.monotonic()
+            self._settled.set()  # wake waiters; after success the gates let them through
+        if error is not None:
+            self._stop.set()
+            self._fail_queued_groups(error)
+        return True
+
     def _run(self) -> None:
         # Hand the GIL straight back: the caller is blocked in Thread.start() until it gets it,
         # and would otherwise wait out a whole switch interval (5 ms) behind our Python code.
         time.sleep(0)
         request = self.request
         try:
-            self._store = connect_store(request)
+            self._store = connect_store(request, self.deadline, self._stop)
             announce(self._store, request)
+            await_arrivals(self._store, request, self.deadline, self._stop)
+            self._all_arrived = True
             dist.init_process_group(
                 request.backend,
                 store=self._store,
@@ -121,12 +173,9 @@ class InitWorker:
             )
             self._create_queued_groups()
         except BaseException as exc:
-            self.error = exc
-            self._fail_queued_groups(exc)
-        finally:
-            self.finished_at = time.monotonic()
-            self._done.set()  # wake waiters first; the gates let them through from now on
-            if self.error is None:
+            self._settle(exc)
+        else:
+            if self._settle(None):
                 gate.release(self)
 
     def _create_queued_groups(self) -> None:
@@ -152,22 +201,25 @@ class InitWorker:
         address = store_address(request)
         if self._store is None:
             detail = f"the rendezvous store at {address} was not reached"
-            missing: list[int] = []
+        elif not self._all_arrived:
+            detail = f"the ranks did not all register at {address}"
         else:
-            missing = missing_ranks(self._store, request.world_size)
-            if missing is None:
-                detail, missing = f"the rendezvous store at {address} closed", []
-            elif missing:
-                detail = f"ranks {missing} never arrived at {address}"
-            else:
-                detail = (
-                    f"every rank arrived at {address} but {request.backend} process-group "
-                    "construction did not finish"
-                )
+            detail = (
+                f"every rank arrived at {address} but {request.backend} process-group "
+                "construction did not finish"
+            )
         return InitTimeoutError(
             f"mccl initialisation of rank {request.rank} did not finish within "
-            f"{request.init_timeout_s:g} s: {detail}",
-            missing_ranks=missing,
+            f"{request.init_timeout_s:g} s (+{STALL_GRACE_S:g} s): {detail}",
+            missing_ranks=[],
             address=address,
             timeout=request.init_timeout_s,
         )
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # atexit handlers run before finalisation freezes daemon threads: the last moment at which
+    # the thread can still leave its store call and end cleanly (see the module docstring).
+    for worker in list(_workers):
+        worker.stop_and_join(EXIT_JOIN_S)

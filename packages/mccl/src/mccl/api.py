@@ -42,7 +42,8 @@ class InitHandle:
 
         Raises:
             TimeoutError: ``timeout`` passed first (initialisation keeps going).
-            Exception: the background failure, re-raised with its original traceback.
+            Exception: the background failure, re-raised with its original traceback; once
+                initialisation has failed, every call raises that same exception at once.
         """
         if self._worker is None:
             return
@@ -51,8 +52,7 @@ class InitHandle:
             return
         if not self._worker.wait(timeout):
             raise TimeoutError(f"process group not ready within {timeout:g} s (still initialising)")
-        if self._worker.error is not None:
-            raise self._worker.error
+        self._worker.raise_if_failed()
 
     def elapsed(self) -> float | None:
         """Seconds the background initialisation took, or None while it runs (or if sync)."""
