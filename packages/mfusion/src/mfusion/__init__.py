@@ -7,8 +7,9 @@ backend-aware automatic fusion; ``mfusion.report()`` says what was rewritten, re
 from importlib.metadata import PackageNotFoundError, version
 
 from mfusion.backends import mlir_cpu as _mlir_cpu  # noqa: F401  (registers mfusion::mlir_region)
-from mfusion.config import BackendName, MFusionConfig
+from mfusion.config import BackendName, MFusionConfig, PatchConvPolicy
 from mfusion.install import compile_options, enabled, install, is_installed, uninstall
+from mfusion.machine import MachineProfile
 from mfusion.passes.manager import MFusionPassManager
 from mfusion.passes.registry import PASS_REGISTRY
 from mfusion.report import GraphReport, Report, clear_report, report
@@ -24,6 +25,8 @@ __all__ = [
     "GraphReport",
     "MFusionConfig",
     "MFusionPassManager",
+    "MachineProfile",
+    "PatchConvPolicy",
     "Report",
     "__version__",
     "clear_report",
