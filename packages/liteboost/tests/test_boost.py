@@ -8,6 +8,11 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 import liteboost
 from liteboost.tiny import build_tiny_transformer
 
+# The first FlexAttention or fused-kernel call compiles (Inductor's C++ template, the kernel's
+# cpp_extension build), once per vector ISA: minutes on a loaded two-core machine. The timeout
+# only catches hangs, so it leaves room for that.
+pytestmark = pytest.mark.timeout(900)
+
 
 @torch.no_grad()
 def _run(model, inputs):

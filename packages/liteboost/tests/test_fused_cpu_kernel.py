@@ -1,12 +1,24 @@
 """The fused C++ CPU kernel and (query, key) block shapes: every kernel equals the reference."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from liteboost.ops import rain_fusion_attention, sparse_attention
 from liteboost.ops.blocks import block_shape
-from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention, load_cpu_kernel
+from liteboost.ops.fused_cpu import (
+    build_config,
+    build_name,
+    fused_cpu_block_sparse_attention,
+    load_cpu_kernel,
+)
 from liteboost.ops.rain_fusion import SparseKernel, default_kernel, reference_block_sparse_attention
+
+# The first FlexAttention or fused-kernel call compiles (Inductor's C++ template, the kernel's
+# cpp_extension build), once per vector ISA: minutes on a loaded two-core machine. The timeout
+# only catches hangs, so it leaves room for that.
+pytestmark = pytest.mark.timeout(900)
 
 
 def _index(b, n, nq, nk, gen):
@@ -107,3 +119,43 @@ def test_block_shape_names_the_bad_value(bad):
     assert block_shape(16) == (16, 16) and block_shape([32, 16]) == (32, 16)
     with pytest.raises(ValueError, match="block_size="):
         block_shape(bad)
+
+
+@pytest.mark.parametrize(
+    ("capability", "machine", "tag", "isa_flags"),
+    [
+        ("AVX512", "x86_64", "x86_avx512", {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"}),
+        ("AVX2", "x86_64", "x86_avx2", {"-mavx2", "-mfma"}),  # an AVX-512 CPU capped to AVX2
+        ("AVX2", "AMD64", "x86_avx2", {"-mavx2", "-mfma"}),
+        ("DEFAULT", "x86_64", "x86_baseline", set()),
+        ("DEFAULT", "aarch64", "aarch64", set()),
+        ("SVE256", "arm64", "aarch64", set()),
+        ("AVX2", "riscv64", "riscv64_portable", set()),  # a capability from the wrong arch
+        ("ZVECTOR", "s390x", "s390x_portable", set()),
+    ],
+)
+def test_build_flags_follow_the_capability_torch_dispatches(capability, machine, tag, isa_flags):
+    """Injected (capability, machine): x86 flags only on x86, never above torch's own level."""
+    config = build_config(capability, machine)
+    assert config.tag == tag
+    machine_flags = {f for f in config.cflags if f.startswith("-m")}
+    assert machine_flags >= isa_flags
+    if tag != "x86_avx512":
+        assert not any(f.startswith("-mavx512") for f in config.cflags)
+    if not tag.startswith("x86_avx"):
+        assert machine_flags == set()  # portable: no x86 (or any) ISA flags
+    assert {"-O3", "-ffast-math"} <= set(config.cflags)
+
+
+def test_build_name_changes_with_whatever_changes_the_binary():
+    avx2, avx512 = build_config("AVX2", "x86_64"), build_config("AVX512", "x86_64")
+    base = build_name(avx2, "source", "2.9.0")
+    assert base == build_name(avx2, "source", "2.9.0")
+    assert base.startswith("liteboost_block_sparse_x86_avx2_")
+    others = {
+        build_name(avx512, "source", "2.9.0"),
+        build_name(avx2, "source changed", "2.9.0"),
+        build_name(avx2, "source", "2.10.0"),
+        build_name(replace(avx2, cflags=(*avx2.cflags, "-DX")), "source", "2.9.0"),
+    }
+    assert base not in others and len(others) == 4

@@ -19,6 +19,11 @@ from liteboost.ops.rain_fusion import (
     reference_block_sparse_attention,
 )
 
+# The first FlexAttention or fused-kernel call compiles (Inductor's C++ template, the kernel's
+# cpp_extension build), once per vector ISA: minutes on a loaded two-core machine. The timeout
+# only catches hangs, so it leaves room for that.
+pytestmark = pytest.mark.timeout(900)
+
 # 216 tokens: 14 blocks of 16, the last one partial (8 tokens); frame 0 = 72 tokens, in blocks 0-4.
 # test_boost.py runs the tiny Wan on the same shape, so one compiled kernel serves both files.
 GRID = (3, 8, 9)

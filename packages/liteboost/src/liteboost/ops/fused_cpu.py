@@ -1,19 +1,25 @@
 """The fused CPU block-sparse kernel (``csrc/block_sparse_attention.cpp``), built once per machine.
 
 ``torch.utils.cpp_extension`` compiles it on first use (about 50 s on two cores) into torch's
-extension cache and loads it from there afterwards. It is forward-only fp32: other dtypes are
-computed in fp32, and when autograd records, or where no C++ toolchain is available (logged once),
-the block-gather kernel runs instead. Key blocks that every query row keeps are left to one dense
-SDPA call over all queries and merged through the kernel's log-sum-exp, as in ``block_gather``.
+extension cache and loads it from there afterwards. The compiler flags follow the vector ISA
+torch dispatches to (:func:`build_config`: AVX-512, AVX2, aarch64, portable) and the cache key
+covers flags, source and torch version (:func:`build_name`). It is forward-only fp32: other
+dtypes are computed in fp32, and when autograd records, or where no C++ toolchain is available
+(logged once), the block-gather kernel runs instead. Key blocks that every query row keeps are
+left to one dense SDPA call over all queries and merged through the kernel's log-sum-exp, as in
+``block_gather``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import os
+import platform
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -30,19 +36,66 @@ from liteboost.ops.blocks import BlockSize, block_shape, check_same_heads
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "block_sparse_attention.cpp"
-# -ffast-math lets gcc vectorise expf through glibc's libmvec; the kernel avoids infinities.
-_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+# -ffast-math lets the compiler vectorise expf through glibc's libmvec; the kernel avoids
+# infinities.
+_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
+
+# x86 vector ISAs, as torch's dispatcher names them, and the compiler flags for exactly the
+# features that dispatch level requires (ATen checks the same cpuinfo bits before choosing it).
+_X86_ISA_FLAGS = {
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
+    "AVX2": ("-mavx2", "-mfma"),
+}
+_X86 = ("x86_64", "amd64", "i686", "i386")
+_ARM64 = ("aarch64", "arm64")
 
 
-def _isa() -> tuple[str, list[str]]:
-    """(build name suffix, compiler flags) for the vector ISA torch itself dispatches to here.
+@dataclass(frozen=True)
+class BuildConfig:
+    """How the kernel is compiled for one machine: a readable tag and the compiler flags."""
 
-    AVX2 code measured 1.3-1.6x faster than the x86-64 baseline (AVX-512 no faster than AVX2).
-    The ISA is part of the build name, so a cache shared by different machines stays correct.
+    tag: str
+    cflags: tuple[str, ...]
+
+
+def build_config(capability: str, machine: str) -> BuildConfig:
+    """Compiler flags that follow the vector ISA torch itself runs at on this machine.
+
+    Args:
+        capability: ``torch.backends.cpu.get_cpu_capability()`` ("AVX512", "AVX2", "DEFAULT",
+            "SVE256", ...). Following torch rather than the CPU means an ISA cap
+            (``ATEN_CPU_CAPABILITY=avx2``) caps this kernel too, and a CPU torch does not
+            trust with a level never gets code for it.
+        machine: ``platform.machine()``.
+
+    Returns:
+        x86: AVX-512 (F/BW/VL/DQ + FMA) when torch dispatches AVX512, AVX2 + FMA when it
+        dispatches AVX2, the x86-64 baseline otherwise. aarch64: no ISA flags (NEON is part of
+        the baseline, and the compiler vectorises expf with it). Anything else: portable
+        flags only. The vectorised exp matters: the x86-64 baseline build measured 1.3-1.6x
+        slower than AVX2.
     """
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return "avx2", ["-mavx2", "-mfma"]
-    return "generic", []
+    arch = machine.lower()
+    if arch in _X86:
+        level = capability.upper()
+        if level in _X86_ISA_FLAGS:
+            return BuildConfig(f"x86_{level.lower()}", _CFLAGS + _X86_ISA_FLAGS[level])
+        return BuildConfig("x86_baseline", _CFLAGS)
+    if arch in _ARM64:
+        return BuildConfig("aarch64", _CFLAGS)
+    safe = "".join(c if c.isalnum() else "_" for c in arch) or "unknown"
+    return BuildConfig(f"{safe}_portable", _CFLAGS)
+
+
+def build_name(config: BuildConfig, source: str, torch_version: str) -> str:
+    """Extension name: the build cache key, so it covers everything that changes the binary.
+
+    The tag and a digest of the flags, the kernel source and the torch version (its headers and
+    ABI). Machines sharing a cache directory, or a liteboost upgrade, never load a binary built
+    for something else, and never rebuild each other's in turn.
+    """
+    digest = hashlib.sha256("\0".join((*config.cflags, source, torch_version)).encode())
+    return f"liteboost_block_sparse_{config.tag}_{digest.hexdigest()[:12]}"
 
 
 @functools.cache
@@ -56,13 +109,16 @@ def load_cpu_kernel() -> ModuleType | None:
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    isa, isa_flags = _isa()
-    logger.info("loading the CPU block-sparse kernel (its first build takes about a minute)")
+    config = build_config(torch.backends.cpu.get_cpu_capability(), platform.machine())
+    name = build_name(config, _SOURCE.read_text(), torch.__version__)
+    logger.info(
+        "loading the CPU block-sparse kernel %s (its first build takes about a minute)", name
+    )
     try:
         return load(
-            name=f"liteboost_block_sparse_{isa}",
+            name=name,
             sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS + isa_flags,
+            extra_cflags=list(config.cflags),
             extra_ldflags=["-lm"],
         )
     except Exception as exc:  # any toolchain or loader failure means: use the fallback

@@ -23,12 +23,16 @@ runs on all latent frames before the decode loop and ``quant_conv`` on all laten
 the encode loop, as one GEMM whose column count is T * h * w (ATen's ``slow_conv3d`` on CPU). On
 a window of 2 latent frames that GEMM rounds differently from the full clip's 5 (measured on
 AVX-512 and on AVX2-only CPUs alike, about 1e-6 after the decoder), which is what broke exact
-equality at 2 and 3 ranks. So the ranks run those two convolutions on the whole clip, as the
-stock code does: decode replaces ``post_quant_conv``'s output on the window by the window's
-slice of ``post_quant_conv`` over all of ``z`` (computed inside the stock decode, where weight
-offloading hooks have put the weights on the device), and encode skips ``quant_conv`` in the
-windows and applies it once to the gathered encoder output. Batch slicing (``use_slicing``) is
-mirrored: one sample at a time, as the stock code does.
+equality at 2 and 3 ranks. At real sizes ATen may even pick another backend by T: with more
+than one thread it runs such a float conv on oneDNN only when N * C * T * H exceeds 20480
+(``ConvParams::use_mkldnn`` in ATen's ``Convolution.cpp``), i.e. past 21 latent frames for a
+480p Wan latent (16 x 60 x 104 per frame).
+
+So the ranks run those two convolutions on the whole clip, as the stock code does: decode replaces
+``post_quant_conv``'s output on the window by the window's slice of ``post_quant_conv`` over all of
+``z`` (computed inside the stock decode, where weight offloading hooks have put the weights on the
+device), and encode skips ``quant_conv`` in the windows and applies it once to the gathered encoder
+output. Batch slicing (``use_slicing``) is mirrored: one sample at a time, as the stock code does.
 
 The guarantee is therefore: bit-identical to the stock decode / encode run in a process with the
 same intra-op thread count (``torch.get_num_threads()``) on the same machine. Across thread
