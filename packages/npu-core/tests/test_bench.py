@@ -103,11 +103,15 @@ def test_tables_name_the_machine_they_ran_on(monkeypatch):
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert info["threads"] == torch.get_num_threads()
     assert isinstance(info["cpu_native_bf16"], bool) and isinstance(info["cpu_amx"], bool)
+    assert isinstance(info["cpu_bf16_gemm_fast"], bool)
     assert info["isa_caps"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
     line = bench.machine_line(info)
     assert info["cpu_model"] in line and info["cpu_capability"] in line
     assert f"{info['threads']} threads" in line and "ONEDNN_MAX_CPU_ISA=AVX2" in line
     assert bench.BenchTable("t", ["a"]).to_json()["environment"]["isa_caps"]
+    emulated = bench.machine_line(info | {"cpu_native_bf16": True, "cpu_bf16_gemm_fast": False})
+    assert "bf16 flag but bf16 GEMMs emulated" in emulated
+    assert "native bf16 GEMMs" in bench.machine_line(info | {"cpu_bf16_gemm_fast": True})
 
 
 def test_add_rejects_unknown_columns():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from npu_core import env
-from npu_core.capability import cpu_info
+from npu_core.capability import cpu_info, fast_matmul
 from npu_core.device import detect_backend, device_module
 
 
@@ -215,6 +215,9 @@ def environment_info() -> dict[str, Any]:
         "cpu_capability": cpu.isa,
         "cpu_native_bf16": cpu.native_bf16,
         "cpu_amx": cpu.amx,
+        # The flags are a claim; this is what a bf16 GEMM really does here (an ISA cap on
+        # oneDNN keeps the flag but emulates bf16).
+        "cpu_bf16_gemm_fast": fast_matmul("cpu", torch.bfloat16),
         "threads": torch.get_num_threads(),
     }
     caps = {name: env.read(name) for name in (env.ATEN_CPU_CAPABILITY, env.ONEDNN_MAX_CPU_ISA)}
@@ -230,7 +233,12 @@ def machine_line(info: dict[str, Any] | None = None) -> str:
     """One Markdown line naming the machine of :func:`environment_info`, for under a table."""
     info = environment_info() if info is None else info
     cpu = f"{info['cpu_model']} ({info['cpu_capability']}"
-    cpu += ", native bf16" if info.get("cpu_native_bf16") else ", no native bf16"
+    if info.get("cpu_bf16_gemm_fast"):
+        cpu += ", native bf16 GEMMs"
+    elif info.get("cpu_native_bf16"):
+        cpu += ", bf16 flag but bf16 GEMMs emulated"
+    else:
+        cpu += ", bf16 GEMMs emulated"
     cpu += ", AMX)" if info.get("cpu_amx") else ")"
     parts = [f"{info['backend']}", cpu, f"{info['cpu_count']} cores", f"{info['threads']} threads"]
     if info.get("isa_caps"):
