@@ -68,7 +68,7 @@ class AttentionCall:
                 f"q and k must have the same head dim; got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
         device = q.device
-        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        capability = _cuda_capability(device) if device.type == "cuda" else None
         dtypes = {t.dtype for t in (q, k, v)}
         return cls(
             device=device.type,
@@ -77,6 +77,16 @@ class AttentionCall:
             value_head_dim=v.shape[-1],
             capability=capability,
         )
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _capability_of(index)
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 _HALF = (torch.float16, torch.bfloat16)
