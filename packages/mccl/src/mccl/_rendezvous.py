@@ -25,6 +25,9 @@ POLL_S = 0.5
 """Longest single blocking call while waiting for peers (a connection attempt to the store);
 also how often the ranks still missing are listed one by one."""
 
+FIRST_CONNECT_S = 2.0
+"""How long a joining rank lets torch's client connect before waiting for the store in Python."""
+
 _PROBE_PAUSE_S = 0.1
 _POLL_FRACTION = 0.05
 _MIN_PAUSE_S = 0.0005
@@ -53,10 +56,13 @@ def connect_store(request: InitRequest, deadline: float, stop: threading.Event) 
 
     For env:// and tcp:// the store is built here without waiting for workers: torch's own
     handler makes rank 0 block in the constructor until everyone connects, and then fails
-    without saying who is missing. A joining rank first waits, in Python, until the store's port
-    accepts connections, so the client constructor that follows returns at once; torch's
-    constructor alone retries for up to twice its timeout and cannot be stopped. Other schemes
-    (file://) go through torch's rendezvous.
+    without saying who is missing. Other schemes (file://) go through torch's rendezvous.
+
+    A joining rank first lets torch's client try for at most :data:`FIRST_CONNECT_S` (it
+    retries a refused connection silently; the store is usually up, under torchrun always).
+    That call cannot be stopped, and with a long timeout it blocks for up to twice the timeout,
+    so if the store is not up by then the rank waits in Python, in :data:`POLL_S` steps, until
+    the store's port accepts connections, and connects again.
 
     Raises:
         InitTimeoutError: the store did not accept connections before ``deadline`` (rank 0,
@@ -77,26 +83,35 @@ def connect_store(request: InitRequest, deadline: float, stop: threading.Event) 
         and os.environ.get("MASTER_PORT") == str(port)
     )
     is_master = request.rank == 0 and not agent_serves
-    if not is_master:
-        _await_listener(host, port, request, deadline, stop)
+    # torch's client takes up to about twice its timeout (a retry after a pause) to give up.
+    first_try = min(max((deadline - time.monotonic()) / 2.5, 0.1), FIRST_CONNECT_S)
     try:
-        store = dist.TCPStore(
-            host,
-            port,
-            request.world_size,
-            is_master=is_master,
-            # Cut to the budget: after a successful probe the connection is immediate.
-            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), POLL_S)),
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
+        store = _tcp_store(request, host, port, is_master, first_try)
     except (RuntimeError, dist.DistError) as exc:
         if is_master:
             raise
-        raise _unreachable_error(request, host, port) from exc
+        _await_listener(host, port, request, deadline, stop)
+        try:
+            store = _tcp_store(request, host, port, False, max(deadline - time.monotonic(), POLL_S))
+        except (RuntimeError, dist.DistError):
+            raise _unreachable_error(request, host, port) from exc
     # Later get()s without their own timeout (process-group construction) use the store's.
     store.set_timeout(datetime.timedelta(seconds=request.init_timeout_s))
     return store
+
+
+def _tcp_store(
+    request: InitRequest, host: str, port: int, is_master: bool, timeout_s: float
+) -> dist.TCPStore:
+    return dist.TCPStore(
+        host,
+        port,
+        request.world_size,
+        is_master=is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
 
 
 def _await_listener(
