@@ -37,8 +37,9 @@ STALL_GRACE_S = 10.0
 before the first use gives up on it (its gloo/NCCL connections are still being made)."""
 
 EXIT_JOIN_S = STALL_GRACE_S
-"""Longest wait at interpreter exit for a thread still constructing the process group. Waiting
-for peers it leaves within one store step (``_rendezvous.POLL_S``)."""
+"""Longest wait at interpreter exit for the thread. Waiting for peers it leaves within one check
+or connection attempt (under 0.5 s; a first connection to the store, about 5 s at most); only
+process-group construction, once every rank has arrived, can take longer."""
 
 _workers: weakref.WeakSet[InitWorker] = weakref.WeakSet()
 
