@@ -1,6 +1,6 @@
 """Ulysses overhead: a Wan transformer forward on 2 ranks vs the same forward in one process.
 
-Each rank runs with one thread (npu-core's launcher gives a rank cpu_count / world threads), so
+Each rank runs with one thread (npu-core's launcher gives a rank usable CPUs / world threads), so
 "single" is the whole forward on one core and "ulysses" the same forward split over two cores
 with two all-to-alls per self-attention and a gather at the end: the ratio is the parallel
 gain net of communication and padding. Both are timed in interleaved rounds between barriers.

@@ -38,9 +38,10 @@ The guarantee is therefore: bit-identical to the stock decode / encode run in a 
 same intra-op thread count (``torch.get_num_threads()``) on the same machine. Across thread
 counts stock itself may differ in the last bits (ATen chooses between oneDNN and its native
 convolution partly by thread count, e.g. for 1x1 filters), and npu-core's launcher gives each
-rank ``cpu_count // world_size`` threads. With VAE tiling active (``enable_tiling()`` and frames
-larger than a tile) the 1x1 convolutions run per spatial tile in stock and are not mirrored here:
-the result then matches stock to float rounding, not bit for bit.
+rank ``threads_per_process(world_size)`` threads (usable CPUs / ranks). With VAE tiling active
+(``enable_tiling()`` and frames larger than a tile) the 1x1 convolutions run per spatial tile in
+stock and are not mirrored here: the result then matches stock to float rounding, not bit for
+bit.
 
 The exchange uses equal-size all_gather (gloo refuses uneven sizes): every rank pads its frames
 to the largest span and the padding is cut after the gather.
