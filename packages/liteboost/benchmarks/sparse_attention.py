@@ -8,7 +8,7 @@ sparsity 0.8, of the FlexAttention kernel alone (its BlockMask prebuilt; its com
 call once per shape, in its own column). The fused kernel's build (or cache load) time is in the
 table's metadata.
 
-    python packages/liteboost/benchmarks/sparse_attention.py --out DIR
+    python packages/liteboost/benchmarks/sparse_attention.py --out DIR [--rounds N] [--cases ...]
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ CASES = [
 SPARSITIES = [0.5, 0.8, 0.9]
 FLEX_SPARSITY = 0.8
 BLOCK = 128
+
+
+def _label(grid, heads, dim) -> str:
+    return f"{grid[0] * grid[1] * grid[2]}x{heads}x{dim}"
 
 
 def _time(fn) -> float:
@@ -141,7 +145,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for sparse_attention.{json,md}")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per case")
+    labels = [_label(grid, heads, dim) for grid, heads, dim in CASES]
+    parser.add_argument(
+        "--cases",
+        default="",
+        help=f"comma-separated subset of {','.join(labels)} (tokens x heads x head dim; "
+        "default: all), for a shorter run",
+    )
     args = parser.parse_args()
+    chosen = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(chosen) - set(labels))
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {labels}")
     build_s = _time(load_cpu_kernel)  # compiles on a machine's first run, else loads the cache
     table = BenchTable(
         "Block-sparse attention vs dense SDPA (CPU, fp32, batch 1, block 128)",
@@ -162,6 +177,7 @@ def main() -> None:
         ],
         {
             "rounds": args.rounds,
+            "cases": chosen or labels,
             "block_size": BLOCK,
             "threads": torch.get_num_threads(),
             "speedup": "dense / (plan + reorder + fused kernel + restore), medians",
@@ -172,6 +188,8 @@ def main() -> None:
         },
     )
     for grid, heads, dim in CASES:
+        if chosen and _label(grid, heads, dim) not in chosen:
+            continue
         run_case(grid, heads, dim, args.rounds if grid[0] < 16 else max(3, args.rounds - 2), table)
     table.write(args.out, "sparse_attention")
 
