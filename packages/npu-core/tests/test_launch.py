@@ -129,3 +129,44 @@ def _rank_and_world() -> tuple[int, int]:
 def test_run_joins_torchrun_job_instead_of_spawning():
     """Under torchrun's variables, run() initialises from env:// and runs fn in this process."""
     assert launch(_world_seen_by_run, 2, backend=None) == [[(0, 2)], [(1, 2)]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_termination_signal_stops_every_rank(tmp_path, signame):
+    """SIGTERM / SIGHUP to the launching process stop both ranks and their forkserver, and the
+    launcher exits with 128 + signal, instead of leaving the ranks running as orphans."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = Path(__file__).with_name("_signalled_job.py")
+    parent = subprocess.Popen([sys.executable, str(job), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(tmp_path.glob("rank*.pids"))) < 2:
+            assert parent.poll() is None, f"launcher exited early with {parent.returncode}"
+            assert time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.2)
+        pids = [tuple(map(int, p.read_text().split())) for p in tmp_path.glob("rank*.pids")]
+        signum = getattr(signal, signame)
+        parent.send_signal(signum)
+        assert parent.wait(timeout=30) == 128 + signum
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    ranks = [rank for rank, _ in pids]
+    forkservers = {server for _, server in pids}
+    deadline = time.monotonic() + 10  # init reaps the reparented processes
+    while any(_alive(pid) for pid in (*ranks, *forkservers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if _alive(pid)], "ranks outlived the launcher"
+    assert not [pid for pid in forkservers if _alive(pid)], "the forkserver outlived the launcher"

@@ -3,7 +3,9 @@
 Used by every multi-rank test, benchmark and CLI of the project. Guarantees: the rendezvous binds
 to loopback only; the first rank to fail has its exception re-raised here with the remote
 traceback attached; the remaining ranks are terminated; a run that outlives ``timeout`` raises
-``LaunchTimeoutError`` naming the ranks that had not finished, instead of hanging.
+``LaunchTimeoutError`` naming the ranks that had not finished, instead of hanging; SIGTERM or
+SIGHUP to the launching process stops every rank before it exits (status 128 + signal), as
+SIGINT does, instead of leaving them training as orphans.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -176,13 +180,48 @@ def launch(
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    with _exit_on_termination_signals():
+        for proc in procs:
+            proc.start()
+        try:
+            return _collect(procs, results, timeout)
+        finally:
+            _terminate(procs)
+            results.close()
+
+
+_TERMINATION_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+@contextlib.contextmanager
+def _exit_on_termination_signals() -> Iterator[None]:
+    """Turn SIGTERM / SIGHUP into ``SystemExit(128 + signal)`` while ranks run.
+
+    Their default action kills this process on the spot: no ``finally`` runs, so the ranks
+    (reparented to init) would go on training and writing. As an exception they unwind through
+    :func:`launch`'s cleanup like Ctrl-C does, and the exit status is still the shell's 128 +
+    signal. Only the first signal raises; repeats during cleanup are ignored so that cleanup
+    finishes. Signal handlers belong to the main thread: elsewhere nothing is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = False
+
+    def handler(signum: int, _frame: object) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in _TERMINATION_SIGNALS}
     try:
-        return _collect(procs, results, timeout)
+        yield
     finally:
-        _terminate(procs)
-        results.close()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _collect(procs: list[Any], results: Any, timeout: float) -> list[Any]:
