@@ -11,6 +11,7 @@ from rich.console import Console
 
 from hyperparallel.models.parallelize import parse_mesh
 from hyperparallel.train.config import TrainConfig, load_config
+from hyperparallel.train.outdir import prepare_out_dir
 from hyperparallel.train.presets import PRESETS
 from npu_core.dist import is_torchrun, run
 
@@ -81,6 +82,13 @@ def train(
     resume: Annotated[
         bool, typer.Option(help="Continue from the last complete checkpoint.")
     ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            help="Replace an earlier run in --out-dir (its metrics, plot and checkpoints); "
+            "without it or --resume such a folder is refused."
+        ),
+    ] = False,
     activation: Annotated[
         str | None,
         typer.Option(
@@ -120,6 +128,12 @@ def train(
         cfg = load_config(PRESETS[preset](), config, overrides)
         if not is_torchrun():  # under torchrun the world size is known only to the ranks
             parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc)
+        prepare_out_dir(
+            Path(cfg.out_dir),
+            resume=resume,
+            overwrite=overwrite,
+            remove=os.environ.get("RANK", "0") == "0",
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     results = run(_rank_main, cfg.parallel.nproc, cfg, resume, timeout=24 * 3600, backend=None)
