@@ -100,6 +100,8 @@ def test_muon_conv_weight_is_flattened():
         ([("w", torch.ones(3, 3)), ("bias", torch.ones(4))], {}, r"parameter 'bias' .*AdamW"),
         ([torch.ones(3, 3, dtype=torch.int64)], {}, r"dtype torch.int64"),
         ([torch.ones(3, 3)], {"lr": -0.1}, r"lr=-0.1 is invalid"),
+        ([torch.ones(3, 3)], {"lr": float("inf")}, r"lr=inf is invalid; it must be a finite"),
+        ([torch.ones(3, 3)], {"weight_decay": float("nan")}, r"weight_decay=nan is invalid"),
         ([torch.ones(3, 3)], {"momentum": 1.0}, r"momentum=1.0 is invalid.*\[0, 1\)"),
         ([torch.ones(3, 3)], {"weight_decay": -1.0}, r"weight_decay=-1.0 is invalid"),
         ([torch.ones(3, 3)], {"ns_steps": 0}, r"ns_steps=0 is invalid"),

@@ -338,15 +338,20 @@ class Muon(torch.optim.Optimizer):
 def _check_group_hyperparameters(group: dict[str, Any], where: str) -> None:
     """Raise ValueError naming the first out-of-range hyperparameter of a group."""
     checks = (
-        ("lr", lambda v: v >= 0, "a number >= 0"),
-        ("weight_decay", lambda v: v >= 0, "a number >= 0"),
+        ("lr", lambda v: v >= 0, "a finite number >= 0"),
+        ("weight_decay", lambda v: v >= 0, "a finite number >= 0"),
         ("momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"),
         ("matched_adamw_rms", lambda v: v > 0, "a number > 0"),
     )
     for key, ok, allowed in checks:
         value = group[key]
         number = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
-        if isinstance(number, bool) or not isinstance(number, int | float) or not ok(number):
+        if (
+            isinstance(number, bool)
+            or not isinstance(number, int | float)
+            or not math.isfinite(number)  # lr=inf would turn every weight into inf or NaN
+            or not ok(number)
+        ):
             raise ValueError(f"{where}: {key}={value!r} is invalid; it must be {allowed}")
     if not isinstance(group["nesterov"], bool):
         raise ValueError(f"{where}: nesterov={group['nesterov']!r} is invalid; use True or False")
