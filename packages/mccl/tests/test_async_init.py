@@ -120,8 +120,8 @@ def test_absent_rank_gives_timeout_error_naming_it(world_size, absent):
         assert result["after"] < 2.0 + 5.0
 
 
-def _failing_init() -> dict:
-    mccl.init_process_group("no-such-backend", init_timeout=30)
+def _failing_init(backend: str) -> dict:
+    mccl.init_process_group(backend, init_timeout=30)
     try:
         dist.get_rank()
     except Exception as exc:
@@ -131,10 +131,16 @@ def _failing_init() -> dict:
 
 
 def test_background_failure_is_reraised_at_first_use():
-    """An exception in the init thread surfaces in the main thread with the worker's frames."""
-    (result,) = launch(_failing_init, 1, backend=None, timeout=60)
+    """An exception in the init thread surfaces in the main thread with the worker's frames.
+
+    MPI is a backend torch knows (so the call accepts it) but this torch build lacks, so process
+    group creation fails on the background thread.
+    """
+    if dist.is_mpi_available():
+        pytest.skip("this torch build has MPI; the test needs a known but unbuilt backend")
+    (result,) = launch(_failing_init, 1, "mpi", backend=None, timeout=60)
     assert result["type"] is not None, "first use must raise"
-    assert "no-such-backend" in result["message"].lower() or "backend" in result["message"].lower()
+    assert "mpi" in result["message"].lower()
     assert "_run" in result["frames"], "the original (worker) traceback must be kept"
 
 

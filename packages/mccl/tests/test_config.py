@@ -31,6 +31,21 @@ def test_defaults_come_from_torchrun_environment(monkeypatch):
     assert request.backend == "gloo"
 
 
+@pytest.mark.parametrize("backend", ["bogus", "cpu:gloo,cuda:bogus"])
+def test_unknown_backend_is_refused_at_the_call(backend):
+    """A backend torch does not know is named with the allowed ones, before any thread starts."""
+    with pytest.raises(
+        ValueError, match=rf"backend={backend!r} is not a torch.distributed backend"
+    ):
+        config.resolve_request(backend, None, 0, 1, None, None)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "NCCL", "cpu:gloo,cuda:nccl", "hccl"])
+def test_known_backends_pass_unchanged(backend):
+    """Names torch knows, in any case and in the per-device form, are kept as given."""
+    assert config.resolve_request(backend, None, 0, 1, None, None).backend == backend
+
+
 def test_nonpositive_init_timeout_is_refused():
     """init_timeout <= 0 is an error naming the argument."""
     with pytest.raises(ValueError, match="init_timeout must be positive"):

@@ -70,13 +70,34 @@ def resolve_request(
     init_timeout_s = _seconds(init_timeout, "init_timeout")
     pg_timeout = datetime.timedelta(seconds=_seconds(timeout, "timeout")) if timeout else None
     return InitRequest(
-        backend=str(backend or comm_backend().value),
+        backend=_check_backend(str(backend or comm_backend().value)),
         init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=pg_timeout or datetime.timedelta(minutes=30),
         init_timeout_s=init_timeout_s,
     )
+
+
+def _check_backend(backend: str) -> str:
+    """Refuse a backend torch.distributed does not know, here rather than as an AssertionError
+    from deep inside process-group creation on the background thread.
+
+    Accepts one name (``"gloo"``) or torch's per-device form (``"cpu:gloo,cuda:nccl"``); the
+    known names are torch's ``Backend.backend_list``, which includes backends registered by
+    extensions (``hccl`` once torch_npu is imported), and ``hccl`` itself.
+    """
+    import torch.distributed as dist
+
+    known = sorted((set(dist.Backend.backend_list) | {"hccl"}) - {"undefined", "fake"})
+    names = [part.split(":")[-1].strip().lower() for part in backend.split(",")]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(
+            f"backend={backend!r} is not a torch.distributed backend; use one of "
+            f"{', '.join(known)} (or 'cpu:gloo,cuda:nccl'), or leave it out to use the detected one"
+        )
+    return backend
 
 
 def _int_from(value: int | None, variable: str, argument: str) -> int:
