@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,21 +21,13 @@ import torch
 from modelzoo.build import build_model, resolve_dtype
 from modelzoo.examples.base import ExportWrapper, example_for
 from modelzoo.schema import ModelCard
+from npu_core.files import atomic_path
 
 
 def _atomic_target(path: Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}"
-    )
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        write(tmp)
     return path
 
 

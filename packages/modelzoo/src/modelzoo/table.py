@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from modelzoo.schema import Category, ModelCard, Status
+from npu_core.files import write_text_atomic
 
 START = "<!-- modelzoo:support-table:start -->"
 END = "<!-- modelzoo:support-table:end -->"
@@ -74,8 +74,5 @@ def update_readme(path: str | os.PathLike[str], table: str) -> bool:
     new = replace_block(old, table)
     if new == old:
         return False
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(new)
-    os.replace(tmp, path)
+    write_text_atomic(path, new)
     return True

@@ -14,7 +14,6 @@ import math
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from npu_core import env
 from npu_core.capability import cpu_info, fast_matmul
 from npu_core.device import detect_backend, device_module
+from npu_core.files import write_text_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,18 +318,6 @@ class BenchTable:
         out.mkdir(parents=True, exist_ok=True)
         # default=str keeps dtypes, enums and the like readable instead of failing the dump.
         json_text = json.dumps(self.to_json(), indent=2, default=str) + "\n"
-        json_path = _write_atomic(out / f"{name}.json", json_text)
-        md_path = _write_atomic(out / f"{name}.md", self.to_markdown())
+        json_path = write_text_atomic(out / f"{name}.json", json_text)
+        md_path = write_text_atomic(out / f"{name}.md", self.to_markdown())
         return json_path, md_path
-
-
-def _write_atomic(path: Path, text: str) -> Path:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from npu_core.files import atomic_path, write_text_atomic
 
 
 @dataclass
@@ -29,11 +29,7 @@ class MetricsLog:
 
     def write(self, path: Path, config: dict) -> None:
         """Replace ``path`` atomically with the records and the run's configuration."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"config": config, **asdict(self)}, handle, indent=1)
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps({"config": config, **asdict(self)}, indent=1))
 
     def plot(self, path: Path) -> None:
         """Training and validation loss against step, saved as a PNG."""
@@ -50,8 +46,8 @@ class MetricsLog:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-        os.close(fd)
-        fig.savefig(tmp)
-        plt.close(fig)
-        os.replace(tmp, path)
+        try:
+            with atomic_path(path) as tmp:
+                fig.savefig(tmp)
+        finally:
+            plt.close(fig)

@@ -1,0 +1,51 @@
+"""Files that are complete or absent: write under a temporary name, then rename into place.
+
+A crash, a full disk or a kill while writing must never leave a result, checkpoint manifest or
+artefact that looks complete but is not. Every package writes its outputs through here, so they
+also get the permissions ordinary files get: ``tempfile.mkstemp`` creates files readable by
+their owner only (0600), which would make a run's metrics.json unreadable to the user's group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _ordinary_file_mode() -> int:
+    """0666 minus the process umask: the mode ``open(path, "w")`` would have given."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success it becomes ``path`` in one rename.
+
+    The caller writes the temporary file by any means (a library's ``save(tmp)``, ``open``).
+    On an exception the temporary file is removed and ``path`` is untouched. The suffix is kept
+    (``.png``, ``.mp4``) so that writers that pick a format from it still do.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, _ordinary_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Replace ``path`` with ``text`` (UTF-8) atomically; return the path."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)

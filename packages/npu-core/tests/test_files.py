@@ -1,0 +1,41 @@
+"""npu_core.files: outputs are complete or absent, with ordinary file permissions."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from npu_core.files import atomic_path, write_text_atomic
+
+
+def test_written_file_has_the_mode_open_would_give(tmp_path):
+    """Not mkstemp's 0600: group and others get what the umask allows, as for open()."""
+    old = os.umask(0o022)
+    try:
+        path = write_text_atomic(tmp_path / "sub" / "metrics.json", "{}")
+        (tmp_path / "plain.txt").write_text("x")
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o644
+    assert path.read_text() == "{}"
+
+
+def test_failure_leaves_the_old_file_and_no_temporary(tmp_path):
+    """An exception while writing keeps the previous content and removes the temporary file."""
+    target = write_text_atomic(tmp_path / "result.md", "old")
+    seen = []
+
+    def write_then_fail() -> None:
+        with atomic_path(target) as tmp:
+            seen.append(tmp)
+            tmp.write_text("half")
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_then_fail()
+    assert seen[0].parent == tmp_path and seen[0].suffix == ".md" and seen[0] != target
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.md"]
