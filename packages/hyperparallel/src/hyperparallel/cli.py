@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from hyperparallel.models.parallelize import parse_mesh
+from hyperparallel.train.checkpoint import CheckpointError
 from hyperparallel.train.config import TrainConfig, load_config
 from hyperparallel.train.outdir import prepare_out_dir
 from hyperparallel.train.presets import PRESETS
@@ -136,7 +137,11 @@ def train(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    results = run(_rank_main, cfg.parallel.nproc, cfg, resume, timeout=24 * 3600, backend=None)
+    try:
+        results = run(_rank_main, cfg.parallel.nproc, cfg, resume, timeout=24 * 3600, backend=None)
+    except CheckpointError as exc:  # a fact about the user's files: one line, not a traceback
+        console.print(f"error: {exc}")
+        raise typer.Exit(2) from None
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
         return
     first = results[0]

@@ -81,3 +81,29 @@ def test_killed_rank_stops_the_run_and_resume_uses_last_checkpoint(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000010"
     resumed = launch(train_rank, 2, cfg, True, backend=None, timeout=300)[0]
     assert resumed.first_step == 10
+
+
+def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """A truncated shard in the newest checkpoint: resume starts from the one before and then
+    reproduces the uninterrupted run's losses exactly."""
+    full = launch(
+        train_rank, 2, _cfg(tmp_path / "full", "steps=12"), False, backend=None, timeout=300
+    )
+    part = _cfg(tmp_path / "part", "steps=10", "checkpoint_every=5")
+    launch(train_rank, 2, part, False, backend=None, timeout=300)
+    shard = next((tmp_path / "part" / "checkpoints" / "step_0000010").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    rest = launch(
+        train_rank, 2, _cfg(tmp_path / "part", "steps=12"), True, backend=None, timeout=300
+    )
+    assert rest[0].first_step == 5
+    assert rest[0].train_losses == full[0].train_losses[5:]
+
+
+def test_resume_with_nothing_left_to_train_says_so(tmp_path):
+    """--resume with steps at or below the checkpoint's step is an error, not a silent exit."""
+    from hyperparallel.train.checkpoint import CheckpointError
+
+    launch(train_rank, 2, _cfg(tmp_path, "steps=5"), False, backend=None, timeout=300)
+    with pytest.raises(CheckpointError, match="is at step 5, and steps=5 leaves nothing to train"):
+        launch(train_rank, 2, _cfg(tmp_path, "steps=5"), True, backend=None, timeout=300)

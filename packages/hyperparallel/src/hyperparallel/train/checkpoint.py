@@ -4,12 +4,21 @@ Each checkpoint is written into a temporary folder and renamed into place by ran
 rank has finished writing; the ``latest`` pointer file is then replaced atomically. A crash while
 saving leaves only a ``.tmp-*`` folder, which loading ignores. DCP stores sharded tensors by
 fully-qualified name, so a run can resume on a different number of ranks.
+
+A checkpoint that was complete can still be damaged later (a truncated copy, a deleted file, a
+full disk during a sync). So each one carries a manifest of its files with sizes and SHA-256
+digests, written last, and :func:`latest` returns the newest checkpoint whose files match it,
+naming every newer one it skipped and why, instead of failing deep inside DCP on the first.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+_STEP_FOLDER = re.compile(r"step_(\d{7})")
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint can be resumed from, or one does not fit the run; the message says which."""
 
 
 def _name(step: int) -> str:
@@ -47,6 +62,7 @@ def save(root: Path, step: int, model: nn.Module, optimizers: tuple[Optimizer, .
     dcp.save(state, checkpoint_id=staging)
     dist.barrier()
     if dist.get_rank() == 0:
+        _write_manifest(staging)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         pointer = root / f".{LATEST}.tmp"
@@ -56,13 +72,76 @@ def save(root: Path, step: int, model: nn.Module, optimizers: tuple[Optimizer, .
     return final
 
 
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    entries = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in files
+    }
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": entries}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def verify(folder: Path) -> str | None:
+    """Why the checkpoint in ``folder`` cannot be loaded, or None when every file matches."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        # Written before manifests existed: DCP's own index is all there is to check.
+        metadata = folder / ".metadata"
+        return None if metadata.is_file() else f"{metadata} and {manifest} are missing"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{manifest} is unreadable"
+    for name, expected in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{path} has {size} bytes, {expected['bytes']} were written"
+        if _digest(path) != expected["sha256"]:
+            return f"{path} does not match its checksum"
+    return None
+
+
 def latest(root: Path) -> Path | None:
-    """The last complete checkpoint under ``root``, or None."""
-    pointer = root / LATEST
-    if not pointer.is_file():
+    """The newest checkpoint under ``root`` whose files match its manifest, or None.
+
+    Newer checkpoints that fail :func:`verify` are skipped with a warning naming the file and the
+    fault; the ``latest`` pointer is not trusted alone (its folder may be gone or damaged).
+    """
+    if not root.is_dir():
         return None
-    path = root / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    folders = sorted(
+        (p for p in root.iterdir() if p.is_dir() and _STEP_FOLDER.fullmatch(p.name)),
+        key=lambda p: p.name,
+        reverse=True,
+    )
+    skipped = []
+    for folder in folders:
+        fault = verify(folder)
+        if fault is None:
+            if skipped:
+                warnings.warn(
+                    f"resuming from {folder.name}; skipped newer damaged checkpoints: "
+                    + "; ".join(skipped),
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return folder
+        skipped.append(f"{folder.name}: {fault}")
+    if skipped:
+        raise CheckpointError(f"no checkpoint under {root} can be loaded: " + "; ".join(skipped))
+    return None
 
 
 def load(path: Path, model: nn.Module, optimizers: tuple[Optimizer, ...]) -> int:
@@ -72,7 +151,14 @@ def load(path: Path, model: nn.Module, optimizers: tuple[Optimizer, ...]) -> int
         "optim": get_optimizer_state_dict(model, optimizers),
         "step": 0,
     }
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as exc:  # DCP wraps every rank's failure in a long CheckpointException
+        first = next((line for line in str(exc).splitlines() if "size" in line), str(exc))
+        raise CheckpointError(
+            f"{path} does not fit this model (was the model configuration changed since it was "
+            f"written?): {first.strip()[:300]}"
+        ) from exc
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizers, state["optim"])
     return int(state["step"])

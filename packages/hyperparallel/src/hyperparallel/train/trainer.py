@@ -104,10 +104,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     ckpt_root = out / "checkpoints"
     start = 0
     if resume:
-        found = checkpoint.latest(ckpt_root)
-        if found is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}")
-        start = checkpoint.load(found, model, inner)
+        start = _resume(ckpt_root, model, inner, cfg.steps)
     log = MetricsLog.resume(out / "metrics.json", start) if rank == 0 else MetricsLog()
     train_losses, val_losses = [], []
     for step in range(start, cfg.steps):
@@ -166,6 +163,29 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         sum(optimizer.muon.skipped_steps.values()),
         saved.to_dict() if start < cfg.steps else {},
     )
+
+
+def _resume(root: Path, model: torch.nn.Module, optimizers: tuple, steps: int) -> int:
+    """Load the newest intact checkpoint (chosen by rank 0, so every rank loads the same one)."""
+    choice: list[Path | str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            choice[0] = checkpoint.latest(root)
+        except checkpoint.CheckpointError as exc:
+            choice[0] = str(exc)
+    dist.broadcast_object_list(choice, src=0)
+    found = choice[0]
+    if isinstance(found, str):
+        raise checkpoint.CheckpointError(found)
+    if found is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {root}")
+    start = checkpoint.load(found, model, optimizers)
+    if start >= steps:
+        raise checkpoint.CheckpointError(
+            f"--resume: {found.name} is at step {start}, and steps={steps} leaves nothing to "
+            f"train; pass --steps above {start}"
+        )
+    return start
 
 
 @torch.no_grad()
