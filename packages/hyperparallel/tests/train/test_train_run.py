@@ -107,3 +107,13 @@ def test_resume_with_nothing_left_to_train_says_so(tmp_path):
     launch(train_rank, 2, _cfg(tmp_path, "steps=5"), False, backend=None, timeout=300)
     with pytest.raises(CheckpointError, match="is at step 5, and steps=5 leaves nothing to train"):
         launch(train_rank, 2, _cfg(tmp_path, "steps=5"), True, backend=None, timeout=300)
+
+
+def test_resume_with_a_changed_model_names_the_mismatch(tmp_path):
+    """A checkpoint of another model shape is refused as such, not with a DCP size traceback."""
+    from hyperparallel.train.checkpoint import CheckpointError
+
+    launch(train_rank, 2, _cfg(tmp_path, "steps=3"), False, backend=None, timeout=300)
+    wider = _cfg(tmp_path, "steps=6", "model.ffn_dim=96")
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        launch(train_rank, 2, wider, True, backend=None, timeout=300)

@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -153,8 +154,9 @@ def load(path: Path, model: nn.Module, optimizers: tuple[Optimizer, ...]) -> int
     }
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as exc:  # DCP wraps every rank's failure in a long CheckpointException
-        first = next((line for line in str(exc).splitlines() if "size" in line), str(exc))
+    except (Exception, CheckpointException) as exc:  # DCP's wrapper is a BaseException
+        lines = str(exc).splitlines() or [repr(exc)]
+        first = next((line for line in lines if "size mismatch" in line.lower()), lines[-1])
         raise CheckpointError(
             f"{path} does not fit this model (was the model configuration changed since it was "
             f"written?): {first.strip()[:300]}"
