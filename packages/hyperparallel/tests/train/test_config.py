@@ -68,6 +68,8 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
 def test_latest_ignores_partial_checkpoints(tmp_path):
     """A half-written checkpoint (staging folder, no pointer update) is never picked up."""
     (tmp_path / "step_0000010").mkdir()
+    (tmp_path / "step_0000010" / ".metadata").write_bytes(b"index")
+    checkpoint._write_manifest(tmp_path / "step_0000010")
     (tmp_path / "latest").write_text("step_0000010")
     (tmp_path / ".tmp-step_0000020").mkdir()  # a crash while saving step 20
     assert checkpoint.latest(tmp_path) == tmp_path / "step_0000010"
