@@ -53,3 +53,11 @@ def test_cpu_override_and_device_for_rank(monkeypatch):
     assert device.detect_backend() is device.Backend.CPU
     assert device.device_module() is None
     assert device.device_for_rank(3) == torch.device("cpu")
+
+
+def test_synchronizer_is_the_device_modules_own_or_a_no_op():
+    """CPU (and device types npu-core does not drive) need no sync; CUDA uses torch.cuda's."""
+    assert device.synchronizer("cpu")() is None
+    assert device.synchronizer(torch.device("meta"))() is None
+    if torch.cuda.is_available():
+        assert device.synchronizer("cuda:0") is torch.cuda.synchronize

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from npu_core.files import atomic_path, write_text_atomic
+from npu_core.files import atomic_path, sha256_file, write_text_atomic
 
 
 def test_written_file_has_the_mode_open_would_give(tmp_path):
@@ -39,3 +39,12 @@ def test_failure_leaves_the_old_file_and_no_temporary(tmp_path):
     assert seen[0].parent == tmp_path and seen[0].suffix == ".md" and seen[0] != target
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.md"]
+
+
+def test_sha256_file_equals_hashlib_on_the_whole_content(tmp_path):
+    """Block-wise hashing gives the digest of the whole file (larger than one block)."""
+    import hashlib
+
+    data = bytes(range(256)) * 5000
+    (tmp_path / "blob").write_bytes(data)
+    assert sha256_file(tmp_path / "blob") == hashlib.sha256(data).hexdigest()

@@ -8,7 +8,6 @@ never leaves an artefact that looks complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -21,7 +20,7 @@ import torch
 from modelzoo.build import build_model, resolve_dtype
 from modelzoo.examples.base import ExportWrapper, example_for
 from modelzoo.schema import ModelCard
-from npu_core.files import atomic_path
+from npu_core.files import atomic_path, sha256_file
 
 
 def _atomic_target(path: Path, write: Callable[[Path], None]) -> Path:
@@ -29,14 +28,6 @@ def _atomic_target(path: Path, write: Callable[[Path], None]) -> Path:
     with atomic_path(path) as tmp:
         write(tmp)
     return path
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def dynamic_shapes(card: ModelCard, inputs: dict[str, torch.Tensor]) -> dict[str, Any] | None:
@@ -192,7 +183,7 @@ def convert(
         )
         manifest["tensors"] = len(state)
     manifest["artefact"] = artefact.name
-    manifest["sha256"] = _sha256(artefact)
+    manifest["sha256"] = sha256_file(artefact)
     manifest["bytes"] = artefact.stat().st_size
     manifest["seconds"] = round(time.perf_counter() - start, 3)
     _atomic_target(

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from npu_core import env
+from npu_core.device import synchronizer
 
 MatmulSpeedProbe = Callable[[torch.device, torch.dtype], bool]
 """(device, dtype) -> whether GEMMs in ``dtype`` are at least as fast as fp32 there."""
@@ -152,11 +153,6 @@ def claims_fast_matmul(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def _sync(device: torch.device) -> Callable[[], None]:
-    module = getattr(torch, device.type, None) if device.type != "cpu" else None
-    return module.synchronize if module is not None else (lambda: None)
-
-
 def measured_speed_ratio(device: torch.device, dtype: torch.dtype) -> float:
     """Time of a ``_PROBE_SHAPE`` GEMM in ``dtype`` over the same GEMM in fp32 (min of rounds).
 
@@ -168,7 +164,7 @@ def measured_speed_ratio(device: torch.device, dtype: torch.dtype) -> float:
     a32 = torch.randn(m, k, generator=generator).to(device)
     b32 = torch.randn(k, n, generator=generator).to(device)
     operands = {torch.float32: (a32, b32), dtype: (a32.to(dtype), b32.to(dtype))}
-    sync = _sync(device)
+    sync = synchronizer(device)
     best = dict.fromkeys(operands, float("inf"))
     for round_index in range(_PROBE_ROUNDS + 1):
         for kind, (a, b) in operands.items():

@@ -7,6 +7,7 @@ Detection order: Ascend NPU (torch_npu importable and a device visible), then CU
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -97,6 +98,16 @@ def device_module(backend: Backend | str | None = None) -> ModuleType | None:
     if backend is Backend.CUDA:
         return torch.cuda
     return None
+
+
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (a no-op on the CPU and unknown types).
+
+    Timings must call it before reading the clock: accelerator kernels run asynchronously.
+    """
+    kind = torch.device(device).type
+    module = device_module(kind) if kind in {b.value for b in Backend} else None
+    return (lambda: None) if module is None else module.synchronize
 
 
 def device_for_rank(local_rank: int = 0, backend: Backend | str | None = None) -> torch.device:

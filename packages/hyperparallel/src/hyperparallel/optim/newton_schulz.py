@@ -16,7 +16,7 @@ from torch import Tensor
 
 from npu_core import capability
 from npu_core.bench import compare
-from npu_core.device import Backend, device_module
+from npu_core.device import synchronizer
 
 Coefficients = tuple[float, float, float]
 """(a, b, c) of one step p(X) = a X + b X X^T X + c (X X^T)^2 X."""
@@ -347,12 +347,6 @@ def clear_strategy_cache() -> None:
     _STRATEGY_CACHE.clear()
 
 
-def _device_sync(device: torch.device) -> Callable[[], None]:
-    known = {b.value for b in Backend}
-    module = device_module(device.type) if device.type in known else None
-    return (lambda: None) if module is None else module.synchronize
-
-
 def _choose_strategy(stacked: Tensor, kernel: _Kernel) -> Strategy:
     """Batched or loop for this batch, measured once per (M, N, dtypes, device, count) and process.
 
@@ -371,7 +365,7 @@ def _choose_strategy(stacked: Tensor, kernel: _Kernel) -> Strategy:
             lambda: kernel.batched(stacked),
             warmup=1,
             repeats=4,
-            sync=_device_sync(stacked.device),
+            sync=synchronizer(stacked.device),
         )
         choice = Strategy.BATCHED if result.ratio_median >= 1.0 else Strategy.LOOP
         _STRATEGY_CACHE[key] = choice

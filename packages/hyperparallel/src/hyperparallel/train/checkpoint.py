@@ -13,7 +13,6 @@ naming every newer one it skipped and why, instead of failing deep inside DCP on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
+
+from npu_core.files import sha256_file, write_text_atomic
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -66,29 +67,18 @@ def save(root: Path, step: int, model: nn.Module, optimizers: tuple[Optimizer, .
         _write_manifest(staging)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / LATEST)
+        write_text_atomic(root / LATEST, final.name)
     dist.barrier()
     return final
-
-
-def _digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_manifest(folder: Path) -> None:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     entries = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in files
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in files
     }
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": entries}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    write_text_atomic(folder / MANIFEST, json.dumps({"files": entries}, indent=1))
 
 
 def verify(folder: Path) -> str | None:
@@ -109,7 +99,7 @@ def verify(folder: Path) -> str | None:
         size = path.stat().st_size
         if size != expected["bytes"]:
             return f"{path} has {size} bytes, {expected['bytes']} were written"
-        if _digest(path) != expected["sha256"]:
+        if sha256_file(path) != expected["sha256"]:
             return f"{path} does not match its checksum"
     return None
 
