@@ -145,7 +145,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run every packages/*/benchmarks/*.py; each writes JSON + Markdown to bench-results/."""
-    _sync(session, "--all-packages")
+    # --all-groups: benchmarks may compare against libraries a package only needs for measuring
+    _sync(session, "--all-packages", "--all-groups")
     out = ROOT / "bench-results"
     for name, path in PACKAGES.items():
         for script in sorted((path / "benchmarks").glob("*.py")):
