@@ -44,3 +44,99 @@ def check_same_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"q, k, v must share batch and head counts; got {tuple(q.shape[:2])}, "
             f"{tuple(k.shape[:2])}, {tuple(v.shape[:2])}"
         )
+
+
+_SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_qkv(q: object, k: object, v: object, layout: str) -> None:
+    """Refuse q, k, v that no kernel can take, naming the argument, its shape and the rule.
+
+    One check for every kernel and every sparsity, run before any work: without it the dense
+    route (sparsity 0) and the sparse route failed differently on the same bad input (raw
+    ``IndexError`` for a 3-D tensor, an integer result for integer inputs, the latent shape
+    blamed for a q/k length mismatch).
+
+    Args:
+        q, k, v: expected 4-D floating tensors on one device, [B, N, S, D] ("BNSD") or
+            [B, S, N, D] ("BSND"), with equal B, N, S and q/k head dims.
+        layout: the layout the caller declared (already validated).
+
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: a dimension count, dtype, device, batch, head count, length or head dim
+            that does not fit.
+    """
+    dims = "[B, N, S, D]" if layout == "BNSD" else "[B, S, N, D]"
+    named = {"q": q, "k": k, "v": v}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} is a {type(t).__name__}; expected a torch.Tensor {dims}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} ({t.dim()} dims); expected 4 dims {dims} "
+                f"for layout={layout!r}"
+            )
+        if t.dtype not in _SPARSE_DTYPES:
+            allowed = ", ".join(_dtype_name(d) for d in _SPARSE_DTYPES)
+            raise ValueError(
+                f"{name} has dtype {_dtype_name(t.dtype)}; expected a floating dtype ({allowed})"
+            )
+    for name in ("k", "v"):
+        t = named[name]
+        if t.dtype != q.dtype:
+            raise ValueError(
+                f"{name} has dtype {_dtype_name(t.dtype)} but q has {_dtype_name(q.dtype)}; "
+                "expected one dtype for q, k and v"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; expected one device")
+    seq_dim, head_dim = (2, 1) if layout == "BNSD" else (1, 2)
+    for name in ("k", "v"):
+        t = named[name]
+        for dim, what in ((0, "batch"), (head_dim, "heads"), (seq_dim, "tokens")):
+            if t.shape[dim] != q.shape[dim]:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)} ({what} {t.shape[dim]}) but q has shape "
+                    f"{tuple(q.shape)} ({what} {q.shape[dim]}); expected equal {what} in "
+                    f"layout {layout} (self-attention over the same tokens)"
+                )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k has shape {tuple(k.shape)} (head dim {k.shape[-1]}) but q has shape "
+            f"{tuple(q.shape)} (head dim {q.shape[-1]}); expected equal head dims"
+        )
+
+
+def check_latent_shape(
+    latent_shape: object, text_len: object, tokens: int, q_shape: tuple[int, ...]
+) -> tuple[int, int, int]:
+    """The (frames, height, width) grid as ints, after checking it explains ``tokens``.
+
+    Raises:
+        ValueError: not three positive ints, a negative ``text_len``, or
+            ``frames * height * width + text_len != tokens``.
+    """
+    if not (
+        isinstance(latent_shape, tuple | list)
+        and len(latent_shape) == 3
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in latent_shape)
+    ):
+        raise ValueError(
+            f"latent_shape={latent_shape!r}; expected three positive ints (frames, height, width)"
+        )
+    if not isinstance(text_len, int) or isinstance(text_len, bool) or text_len < 0:
+        raise ValueError(f"text_len={text_len!r}; expected an int >= 0 (text tokens after video)")
+    frames, height, width = latent_shape
+    expected = frames * height * width + text_len
+    if tokens != expected:
+        raise ValueError(
+            f"latent_shape={tuple(latent_shape)} with text_len={text_len} means "
+            f"{frames}*{height}*{width} + {text_len} = {expected} tokens, but q has shape "
+            f"{tuple(q_shape)} ({tokens} tokens)"
+        )
+    return frames, height, width

@@ -16,7 +16,6 @@ import functools
 import hashlib
 import logging
 import math
-import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from liteboost import env
 from liteboost.ops.block_gather import (
     gather_block_sparse_attention,
     merge_shared_blocks,
@@ -108,7 +108,7 @@ def load_cpu_kernel() -> ModuleType | None:
         # not activated.
         import ninja
 
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        env.prepend_path(ninja.BIN_DIR)
     config = build_config(torch.backends.cpu.get_cpu_capability(), platform.machine())
     name = build_name(config, _SOURCE.read_text(), torch.__version__)
     logger.info(

@@ -16,7 +16,7 @@ import torch
 
 from liteboost.attention.backends import flash_attention
 from liteboost.ops import tiling
-from liteboost.ops.blocks import BlockSize, block_shape
+from liteboost.ops.blocks import BlockSize, block_shape, check_latent_shape, check_qkv
 from liteboost.ops.rain_fusion import (
     SparseKernel,
     check_layout,
@@ -42,8 +42,19 @@ class SparsePlan:
 
 
 def _check_sparsity(sparsity: float) -> None:
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity={sparsity} must be in [0, 1): the share of key blocks skipped")
+    if (
+        isinstance(sparsity, bool)
+        or not isinstance(sparsity, int | float)
+        or not (0.0 <= sparsity < 1.0)
+    ):
+        raise ValueError(
+            f"sparsity={sparsity!r} must be a number in [0, 1): the share of key blocks skipped"
+        )
+
+
+def _check_scale(scale: float | None) -> None:
+    if scale is not None and not (isinstance(scale, int | float) and 0.0 < scale < math.inf):
+        raise ValueError(f"scale={scale!r}; expected None (D ** -0.5) or a finite number > 0")
 
 
 def _pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -99,19 +110,12 @@ def select_blocks(
     return index, keep
 
 
-def _tile_layout(q, k, latent_shape, text_len, block_size, tile, first_frame_sink):
-    """The tile permutation for BNSD ``q``/``k``, after checking their length against the grid.
+def _tile_layout(q, latent_shape, block_size, tile, first_frame_sink):
+    """The tile permutation for checked BNSD inputs.
 
     Default tiles hold one key block, so every key block is a compact 3-D neighbourhood; a
     larger query block spans neighbouring tiles.
     """
-    frames, height, width = latent_shape
-    video_len = frames * height * width
-    if q.shape[-2] != video_len + text_len or k.shape[-2] != video_len + text_len:
-        raise ValueError(
-            f"sequence length {q.shape[-2]} (keys {k.shape[-2]}) != latent tokens "
-            f"{frames}*{height}*{width} + text_len {text_len} = {video_len + text_len}"
-        )
     return tiling.tile_layout(
         latent_shape, tile or tiling.default_tile(block_size[1]), q.device, first_frame_sink
     )
@@ -143,7 +147,9 @@ def plan_sparse_attention(
     """Tile layout and kept blocks for [B, N, S, D] ``q``/``k`` (untiled, BNSD)."""
     _check_sparsity(sparsity)
     block_size = block_shape(block_size)
-    layout = _tile_layout(q, k, latent_shape, text_len, block_size, tile, first_frame_sink)
+    check_qkv(q, k, k, "BNSD")
+    latent_shape = check_latent_shape(latent_shape, text_len, q.shape[-2], tuple(q.shape))
+    layout = _tile_layout(q, latent_shape, block_size, tile, first_frame_sink)
     qt, kt = (tiling.reorder(t, layout, seq_dim=2) for t in (q, k))
     return _select_tiled(qt, kt, layout, latent_shape, sparsity, block_size)
 
@@ -185,14 +191,25 @@ def sparse_attention(
 
     Returns:
         Output in ``layout``, token order of the input.
+
+    Raises:
+        TypeError: q, k or v is not a tensor.
+        ValueError: the same checks at every sparsity, before any work: layout, sparsity,
+            scale, block size, q/k/v dims, dtype (floating), device, batch, heads, tokens and
+            head dims, and ``latent_shape`` + ``text_len`` against q's token count. Each
+            message names the argument, its shape or value and what is expected.
     """
     check_layout(layout)
     _check_sparsity(sparsity)
+    _check_scale(scale)
     block_size = block_shape(block_size)
+    check_qkv(q, k, v, layout)
+    tokens = q.shape[2] if layout == "BNSD" else q.shape[1]
+    latent_shape = check_latent_shape(latent_shape, text_len, tokens, tuple(q.shape))
     if sparsity == 0.0:
         return flash_attention(q, k, v, layout=layout, scale=scale)
     qb, kb, vb = (to_bnsd(t, layout) for t in (q, k, v))
-    tiles = _tile_layout(qb, kb, latent_shape, text_len, block_size, tile, first_frame_sink)
+    tiles = _tile_layout(qb, latent_shape, block_size, tile, first_frame_sink)
     qt, kt, vt = (tiling.reorder(t, tiles, seq_dim=2) for t in (qb, kb, vb))
     plan = _select_tiled(qt, kt, tiles, latent_shape, sparsity, block_size)
     out = rain_fusion_attention(
