@@ -22,11 +22,9 @@ from hyperparallel.activation.report import (
     ActivationTracker,
     track_saved_activations,
 )
-from hyperparallel.activation.schedule import (
-    EarlyRecompute1F1B,
-    RecomputeHandle,
-    RecomputeSession,
-)
+from hyperparallel.activation.observers import ObservedRegion, RegionObserver
+from hyperparallel.activation.pipeline import EarlyRecompute1F1B
+from hyperparallel.activation.schedule import RecomputeHandle, RecomputeSession
 from hyperparallel.activation.swap import SwapSchedule
 
 __all__ = [
@@ -36,9 +34,11 @@ __all__ = [
     "ActivationTracker",
     "CheckpointPolicy",
     "EarlyRecompute1F1B",
+    "ObservedRegion",
     "PolicyContext",
     "PolicyFn",
     "RecomputeHandle",
+    "RegionObserver",
     "RecomputeSession",
     "SwapSchedule",
     "checkpoint",

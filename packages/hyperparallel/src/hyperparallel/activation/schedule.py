@@ -4,8 +4,9 @@ A :class:`RecomputeSession` collects one :class:`RecomputeHandle` per checkpoint
 forward runs inside it, grouped by a key (a micro-batch index). ``handle.recompute()`` replays
 the region at any time before its backward, e.g. while another micro-batch's backward or a
 pipeline send is in flight; backward then takes the stored tensors (each once, freed as it is
-taken) instead of replaying. :class:`EarlyRecompute1F1B` does this inside
-``torch.distributed.pipelining``'s 1F1B schedule.
+taken) instead of replaying. The session is a region observer
+(:mod:`~hyperparallel.activation.observers`); pipeline schedules that use it live in
+:mod:`~hyperparallel.activation.pipeline`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import contextvars
 import weakref
 from collections import defaultdict
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import ClassVar
 
-from torch.distributed.pipelining import Schedule1F1B
-
-if TYPE_CHECKING:
-    from hyperparallel.activation.region import Region, RegionStats
+from hyperparallel.activation.observers import (
+    ObservedRegion,
+    RegionStats,
+    innermost,
+    pop_observer,
+    push_observer,
+)
 
 
 class RecomputeHandle:
@@ -30,7 +34,7 @@ class RecomputeHandle:
     holds nothing.
     """
 
-    def __init__(self, region: Region) -> None:
+    def __init__(self, region: ObservedRegion) -> None:
         self._region = weakref.ref(region)
         self.name = region.name
         self.stats: RegionStats = region.stats
@@ -73,17 +77,36 @@ class RecomputeSession:
         loss0.backward()            # reuses the early results
     """
 
+    schedules_offload: ClassVar[bool] = False
+    """A session leaves input offloading to the regions (or to a swap schedule)."""
+
     def __init__(self) -> None:
         self._handles: dict[Hashable, list[RecomputeHandle]] = defaultdict(list)
         self._key: Hashable = None
         self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> RecomputeSession:
-        self._tokens.append(_SESSION.set(self))
+        self._tokens.append(push_observer(self))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _SESSION.reset(self._tokens.pop())
+        pop_observer(self._tokens.pop())
+
+    # ---- RegionObserver ----
+
+    def region_started(self, region: ObservedRegion) -> None:
+        """Nothing to do before a region's forward."""
+
+    def region_finished(self, region: ObservedRegion) -> None:
+        """Collect the region's handle under the current micro-batch."""
+        self.add(region)
+
+    def wants_backward_hook(self, region: ObservedRegion) -> bool:
+        """A session is told nothing from backward."""
+        return False
+
+    def backward_reached(self, region: ObservedRegion) -> None:
+        """Unused (see :meth:`wants_backward_hook`)."""
 
     @contextlib.contextmanager
     def micro_batch(self, key: Hashable) -> Iterator[None]:
@@ -94,8 +117,8 @@ class RecomputeSession:
         finally:
             self._key = previous
 
-    def add(self, region: Region) -> RecomputeHandle:
-        """Called by a region when its forward finishes."""
+    def add(self, region: ObservedRegion) -> RecomputeHandle:
+        """Collect ``region``'s handle under the current micro-batch (its forward finished)."""
         handle = RecomputeHandle(region)
         self._handles[self._key].append(handle)
         return handle
@@ -114,76 +137,6 @@ class RecomputeSession:
         self._handles.pop(key, None)
 
 
-_SESSION: contextvars.ContextVar[RecomputeSession | None] = contextvars.ContextVar(
-    "hyperparallel_recompute_session", default=None
-)
-
-
 def current_session() -> RecomputeSession | None:
     """The :class:`RecomputeSession` active in this context, if any."""
-    return _SESSION.get()
-
-
-@contextlib.contextmanager
-def no_session() -> Iterator[None]:
-    """Run a block outside any session (a region's replay must not register)."""
-    token = _SESSION.set(None)
-    try:
-        yield
-    finally:
-        _SESSION.reset(token)
-
-
-class EarlyRecompute1F1B(Schedule1F1B):
-    """``Schedule1F1B`` that recomputes micro-batch ``i``'s checkpointed regions right before
-    the communication that precedes its backward, instead of inside the backward.
-
-    Every micro-batch's forward runs inside this schedule's :class:`RecomputeSession`; when the
-    1F1B loop asks the stage for micro-batch ``i``'s gradient receives, its recompute runs, so on
-    an accelerator it overlaps the peer's send of that gradient; backward then reuses it.
-    Arguments are those of ``Schedule1F1B``.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.session = RecomputeSession()
-        self.early_recomputes: list[int] = []
-        """Micro-batches recomputed ahead of their backward, in schedule order."""
-        self.recomputed_handles: list[RecomputeHandle] = []
-        """Their handles (for inspection: each should show one recompute and be done)."""
-
-    def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any:
-        stage = self._stage
-        forward, recv, backward = (
-            stage.forward_one_chunk,
-            stage.get_bwd_recv_ops,
-            stage.backward_one_chunk,
-        )
-        session = self.session
-
-        def forward_one_chunk(fwd_chunk_id: int, *a: Any, **kw: Any) -> Any:
-            with session, session.micro_batch(fwd_chunk_id):
-                return forward(fwd_chunk_id, *a, **kw)
-
-        def get_bwd_recv_ops(bwd_chunk_id: int) -> Any:
-            ops = recv(bwd_chunk_id)
-            if handles := session.handles(bwd_chunk_id):
-                session.recompute(bwd_chunk_id)
-                self.early_recomputes.append(bwd_chunk_id)
-                self.recomputed_handles.extend(handles)
-            return ops
-
-        def backward_one_chunk(bwd_chunk_id: int, *a: Any, **kw: Any) -> Any:
-            try:
-                return backward(bwd_chunk_id, *a, **kw)
-            finally:
-                session.release(bwd_chunk_id)
-
-        stage.forward_one_chunk = forward_one_chunk
-        stage.get_bwd_recv_ops = get_bwd_recv_ops
-        stage.backward_one_chunk = backward_one_chunk
-        try:
-            return super()._step_microbatches(*args, **kwargs)
-        finally:
-            for name in ("forward_one_chunk", "get_bwd_recv_ops", "backward_one_chunk"):
-                delattr(stage, name)
+    return innermost(RecomputeSession)

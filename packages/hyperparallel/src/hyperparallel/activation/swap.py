@@ -14,12 +14,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
+from hyperparallel.activation.observers import (
+    ObservedRegion,
+    innermost,
+    pop_observer,
+    push_observer,
+)
 from npu_core import streams
 from npu_core.memory import HostBufferPool
 
@@ -172,23 +178,26 @@ class SwapSchedule:
     prefetch_ahead: int = 1
     recompute_ahead: int = 0
 
+    schedules_offload: ClassVar[bool] = True
+    """Regions leave input offloading to this schedule (see :class:`RegionObserver`)."""
+
     def __post_init__(self) -> None:
         for name in ("offload_after", "prefetch_ahead", "recompute_ahead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        self._regions: list[weakref.ref] = []
+        self._regions: list[weakref.ref[ObservedRegion]] = []
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> SwapSchedule:
         self._regions.clear()
-        self._token = _SCHEDULE.set(self)
+        self._token = push_observer(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._token is not None
-        _SCHEDULE.reset(self._token)
+        pop_observer(self._token)
 
-    def region_started(self, region: object) -> None:
+    def region_started(self, region: ObservedRegion) -> None:
         """Called by a region as its forward begins: offload inputs that were waiting for it."""
         if self.offload_after:
             index = len(self._regions) - self.offload_after
@@ -196,12 +205,18 @@ class SwapSchedule:
                 earlier.offload_inputs()
         self._regions.append(weakref.ref(region))
 
-    def region_finished(self, region: object) -> None:
+    def region_finished(self, region: ObservedRegion) -> None:
         """Called by a region as its forward returns."""
         if self.offload_after == 0:
             region.offload_inputs()
 
-    def backward_reached(self, region: object) -> None:
+    def wants_backward_hook(self, region: ObservedRegion) -> bool:
+        """Backward must report ``region`` when it has host copies to prefetch or when regions
+        are recomputed ahead."""
+        wanted = region.swaps_anything or self.recompute_ahead > 0
+        return wanted and self.needs_backward_hook
+
+    def backward_reached(self, region: ObservedRegion) -> None:
         """Called from a hook on region outputs' gradients: prefetch the regions before it."""
         refs = [r() for r in self._regions]
         if region not in refs:
@@ -220,21 +235,6 @@ class SwapSchedule:
         return self.prefetch_ahead > 0 or self.recompute_ahead > 0
 
 
-_SCHEDULE: contextvars.ContextVar[SwapSchedule | None] = contextvars.ContextVar(
-    "hyperparallel_swap_schedule", default=None
-)
-
-
 def current_schedule() -> SwapSchedule | None:
     """The :class:`SwapSchedule` active in this context, if any."""
-    return _SCHEDULE.get()
-
-
-@contextlib.contextmanager
-def no_schedule() -> Iterator[None]:
-    """Run a block with no active :class:`SwapSchedule` (recompute must not register)."""
-    token = _SCHEDULE.set(None)
-    try:
-        yield
-    finally:
-        _SCHEDULE.reset(token)
+    return innermost(SwapSchedule)
