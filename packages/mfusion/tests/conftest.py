@@ -1,15 +1,79 @@
-"""Shared fixtures: a per-session Inductor cache, tracing helpers for pass tests."""
+"""Shared fixtures: a per-session Inductor cache, a fresh report per test, and the pass-test
+harness (tracing to post-grad-like graphs, running single passes, pinned machine profiles).
+
+Helpers reach tests as fixtures, never through ``from conftest import``: the whole tree runs in
+one pytest process with ``--import-mode=importlib``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
+from typing import Any
 
 import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 # One fresh Inductor cache per test session: runs never read another run's artefacts, and the
 # second compile of a test still exercises the FX cache lookup (with mfusion's uuid in the key).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-inductor-"))
+
+
+class PassHarness:
+    """Trace functions to aten graphs and run single passes on them, like Inductor's post-grad
+    stage would; plus fixed machine profiles so machine-dependent outcomes never depend on the CPU,
+    ISA cap or thread count the tests run on."""
+
+    def __init__(self) -> None:
+        from mfusion.machine import MachineProfile
+
+        self.AVX512_BF16 = MachineProfile(
+            arch="x86_64",
+            cpu_model="test AVX-512 BF16",
+            cpu_capability="AVX512",
+            avx512_bf16=True,
+            fast_bf16_gemm=True,
+        )
+        self.AVX2 = MachineProfile(arch="x86_64", cpu_model="test AVX2", cpu_capability="AVX2")
+
+    def machine(self, name: str, overrides: dict[str, Any] | None = None) -> Any:
+        """The named fixed profile (``"AVX512_BF16"``, ``"AVX2"``) with fields replaced."""
+        return dataclasses.replace(getattr(self, name), **(overrides or {}))
+
+    @staticmethod
+    def trace(fn: Any, *args: Any, mode: str = "fake") -> torch.fx.GraphModule:
+        """The aten graph of ``fn`` with fake-tensor metadata, like Inductor's post-grad graph."""
+        return make_fx(fn, tracing_mode=mode)(*args)
+
+    @staticmethod
+    def apply(gm: torch.fx.GraphModule, *passes: str, **options: Any) -> Any:
+        """Run the named passes (no auto-fusion) on ``gm`` in place and return the report."""
+        from mfusion import MFusionConfig
+        from mfusion.passes.manager import MFusionPassManager
+
+        config = MFusionConfig(passes=passes, auto_fuse=False, **options)
+        record = MFusionPassManager(config).run(gm.graph)
+        gm.recompile()
+        return record
+
+    @staticmethod
+    def count(gm: torch.fx.GraphModule, op: object) -> int:
+        """How many call_function nodes of ``gm`` target ``op`` (counted independently of
+        mfusion's own op counter)."""
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == op)
+
+    @staticmethod
+    def tolerance(dtype: torch.dtype) -> dict[str, float]:
+        if dtype == torch.bfloat16:
+            return {"atol": 2e-2, "rtol": 2e-2}
+        return {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(scope="session")
+def harness() -> PassHarness:
+    return PassHarness()
 
 
 @pytest.fixture(autouse=True)

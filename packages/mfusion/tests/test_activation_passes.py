@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from _helpers import apply, count, tolerance, trace
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]
@@ -47,18 +46,23 @@ def _randn(dtype, *shapes):
 @pytest.mark.parametrize(
     ("fn", "approximate"), [(gelu_tanh, "tanh"), (gelu_erf, "none")], ids=["tanh", "erf"]
 )
-def test_gelu_rewrites_to_cheaper_exact_form(fn, approximate, dtype):
+def test_gelu_rewrites_to_cheaper_exact_form(harness, fn, approximate, dtype):
     """Both GELU forms are recognised; tanh loses pow and tanh, erf loses the division."""
     (x,) = _randn(dtype, (8, 64))
-    gm = trace(fn, x)
-    record = apply(gm, "gelu")
+    gm = harness.trace(fn, x)
+    record = harness.apply(gm, "gelu")
     assert record.rewritten("gelu") == 1
-    assert count(gm, aten.pow.Tensor_Scalar) == 0 and count(gm, aten.div.Tensor) == 0
+    assert (
+        harness.count(gm, aten.pow.Tensor_Scalar) == 0 and harness.count(gm, aten.div.Tensor) == 0
+    )
     if approximate == "tanh":
-        assert count(gm, aten.tanh.default) == 0 and count(gm, aten.sigmoid.default) == 1
-    torch.testing.assert_close(gm(x), fn(x), **tolerance(dtype))
+        assert (
+            harness.count(gm, aten.tanh.default) == 0
+            and harness.count(gm, aten.sigmoid.default) == 1
+        )
+    torch.testing.assert_close(gm(x), fn(x), **harness.tolerance(dtype))
     reference = torch.nn.functional.gelu(x.float(), approximate=approximate).to(dtype)
-    torch.testing.assert_close(gm(x), reference, **tolerance(dtype))
+    torch.testing.assert_close(gm(x), reference, **harness.tolerance(dtype))
 
 
 @pytest.mark.parametrize(
@@ -72,40 +76,40 @@ def test_gelu_rewrites_to_cheaper_exact_form(fn, approximate, dtype):
     ],
     ids=["scale", "erf-arg", "tanh-scale", "tanh-coeff", "square"],
 )
-def test_gelu_refuses_wrong_constants(fn, reason):
+def test_gelu_refuses_wrong_constants(harness, fn, reason):
     (x,) = _randn(torch.float32, (4, 16))
-    gm = trace(fn, x)
-    record = apply(gm, "gelu")
+    gm = harness.trace(fn, x)
+    record = harness.apply(gm, "gelu")
     assert record.rewritten() == 0
     assert any(reason in d.reason for d in record.refused("gelu")), record.summary()
     torch.testing.assert_close(gm(x), fn(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu_rewrites_sigmoid_form(dtype):
+def test_swiglu_rewrites_sigmoid_form(harness, dtype):
     args = _randn(dtype, (6, 32), (32, 48), (32, 48))
-    gm = trace(swiglu, *args)
-    record = apply(gm, "swiglu")
+    gm = harness.trace(swiglu, *args)
+    record = harness.apply(gm, "swiglu")
     assert record.rewritten("swiglu") == 1
     assert "gate from mm, up from mm" in record.decisions[0].reason
-    torch.testing.assert_close(gm(*args), swiglu(*args), **tolerance(dtype))
+    torch.testing.assert_close(gm(*args), swiglu(*args), **harness.tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu_rewrites_exp_form(dtype):
+def test_swiglu_rewrites_exp_form(harness, dtype):
     """``a / (1 + exp(-a)) * b`` loses exp, neg and the division."""
     args = _randn(dtype, (6, 32), (6, 32))
-    gm = trace(swiglu_exp, *args)
-    record = apply(gm, "swiglu")
+    gm = harness.trace(swiglu_exp, *args)
+    record = harness.apply(gm, "swiglu")
     assert record.rewritten("swiglu") == 1
-    assert count(gm, aten.exp.default) == 0 and count(gm, aten.div.Tensor) == 0
-    torch.testing.assert_close(gm(*args), swiglu_exp(*args), **tolerance(dtype))
+    assert harness.count(gm, aten.exp.default) == 0 and harness.count(gm, aten.div.Tensor) == 0
+    torch.testing.assert_close(gm(*args), swiglu_exp(*args), **harness.tolerance(dtype))
 
 
-def test_swiglu_refuses_broadcast_up():
+def test_swiglu_refuses_broadcast_up(harness):
     a, b = _randn(torch.float32, (6, 32), (32,))
-    gm = trace(lambda a, b: a * torch.sigmoid(a) * b, a, b)
-    record = apply(gm, "swiglu")
+    gm = harness.trace(lambda a, b: a * torch.sigmoid(a) * b, a, b)
+    record = harness.apply(gm, "swiglu")
     assert "broadcast" in record.refused("swiglu")[0].reason
 
 
@@ -115,30 +119,30 @@ def _rope_inputs(dtype):
     return x.to(dtype), angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def test_rope_rewrites_in_fp32():
+def test_rope_rewrites_in_fp32(harness):
     args = _rope_inputs(torch.float32)
-    gm = trace(rope, *args)
-    record = apply(gm, "rope")
+    gm = harness.trace(rope, *args)
+    record = harness.apply(gm, "rope")
     assert record.rewritten("rope") == 1
-    assert count(gm, aten.neg.default) == 0
+    assert harness.count(gm, aten.neg.default) == 0
     torch.testing.assert_close(gm(*args), rope(*args))
 
 
-def test_rope_skipped_in_bf16_unless_allowed():
+def test_rope_skipped_in_bf16_unless_allowed(harness):
     """bf16 RoPE is refused by default; rope_low_precision=True opts in (within bf16 noise)."""
     args = _rope_inputs(torch.bfloat16)
-    gm = trace(rope, *args)
-    record = apply(gm, "rope")
+    gm = harness.trace(rope, *args)
+    record = harness.apply(gm, "rope")
     assert record.rewritten() == 0 and "drift" in record.refused("rope")[0].reason
-    gm = trace(rope, *args)
-    record = apply(gm, "rope", rope_low_precision=True)
+    gm = harness.trace(rope, *args)
+    record = harness.apply(gm, "rope", rope_low_precision=True)
     assert record.rewritten("rope") == 1
-    torch.testing.assert_close(gm(*args), rope(*args), **tolerance(torch.bfloat16))
+    torch.testing.assert_close(gm(*args), rope(*args), **harness.tolerance(torch.bfloat16))
 
 
-def test_rope_refuses_mismatched_table():
+def test_rope_refuses_mismatched_table(harness):
     x, cos, sin = _rope_inputs(torch.float32)
     fn = lambda x, c, s: x * c + rotate_half(x) * s  # noqa: E731
-    gm = trace(fn, x, cos[..., :1], sin[..., :1])
-    record = apply(gm, "rope")
+    gm = harness.trace(fn, x, cos[..., :1], sin[..., :1])
+    record = harness.apply(gm, "rope")
     assert "cannot split" in record.refused("rope")[0].reason

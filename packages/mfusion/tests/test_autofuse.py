@@ -6,7 +6,6 @@ from __future__ import annotations
 import operator
 
 import torch
-from _helpers import trace
 from torch import fx
 
 from mfusion.autofuse.capability import INDUCTOR_TABLE, MLIR_CPU_TABLE
@@ -38,7 +37,7 @@ def test_union_find_merges_and_finds():
     assert len({uf.find(i) for i in "abcd"}) == 1
 
 
-def test_merge_through_outside_node_is_a_cycle():
+def test_merge_through_outside_node_is_a_cycle(harness):
     """a -> matmul (not fusable) -> c and a -> c: fusing {a, c} would need the matmul's output
     before producing it."""
 
@@ -47,7 +46,7 @@ def test_merge_through_outside_node_is_a_cycle():
         b = a @ w
         return torch.tanh(a) + b
 
-    gm = trace(fn, torch.randn(4, 4), torch.randn(4, 4))
+    gm = harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4))
     nodes, order = _nodes(gm), _order(gm)
     assert creates_cycle({nodes["exp"], nodes["add"]}, order)
     assert not creates_cycle({nodes["exp"], nodes["tanh"]}, order)
@@ -58,40 +57,40 @@ def test_merge_through_outside_node_is_a_cycle():
     assert not any({nodes["exp"], nodes["add"]} <= r.members for r in regions)
 
 
-def test_diamond_fuses_into_one_region():
+def test_diamond_fuses_into_one_region(harness):
     """x -> (exp, sin) -> add: both branches and the join form one region."""
-    gm = trace(lambda x: torch.exp(x) + torch.sigmoid(x) * 2, torch.randn(8))
+    gm = harness.trace(lambda x: torch.exp(x) + torch.sigmoid(x) * 2, torch.randn(8))
     kinds = candidate_kinds(gm.graph, INDUCTOR_TABLE)
     regions = grow_regions(gm.graph, kinds, max_ops=16)
     assert len(regions) == 1 and len(regions[0].nodes) == 4
 
 
-def test_region_size_limit_splits_growth():
-    gm = trace(lambda x: torch.exp(torch.exp(torch.exp(torch.exp(x)))), torch.randn(8))
+def test_region_size_limit_splits_growth(harness):
+    gm = harness.trace(lambda x: torch.exp(torch.exp(torch.exp(torch.exp(x)))), torch.randn(8))
     kinds = candidate_kinds(gm.graph, INDUCTOR_TABLE)
     assert [len(r.nodes) for r in grow_regions(gm.graph, kinds, max_ops=2)] == [2, 2]
 
 
-def test_capability_table_filters_by_op_dtype_and_shape():
+def test_capability_table_filters_by_op_dtype_and_shape(harness):
     """mlir-cpu takes fp32 elementwise/reduce with static shapes; no matmul, no bf16."""
 
     def fn(x, w):
         return torch.exp(x @ w).sum(-1)
 
-    gm = trace(fn, torch.randn(4, 4), torch.randn(4, 4))
+    gm = harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4))
     nodes = _nodes(gm)
     assert MLIR_CPU_TABLE.check(nodes["mm"]).startswith("aten.mm.default is not in")
     assert MLIR_CPU_TABLE.check(nodes["exp"]).kind is RegionKind.ELEMENTWISE
     assert INDUCTOR_TABLE.check(nodes["mm"]).kind is RegionKind.MATMUL
-    gm16 = trace(fn, torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4).bfloat16())
+    gm16 = harness.trace(fn, torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4).bfloat16())
     assert "dtype torch.bfloat16" in MLIR_CPU_TABLE.check(_nodes(gm16)["exp"])
-    dyn = trace(fn, torch.randn(4, 4), torch.randn(4, 4), mode="symbolic")
+    dyn = harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4), mode="symbolic")
     assert "symbolic shape" in MLIR_CPU_TABLE.check(_nodes(dyn)["exp"])
 
 
-def test_matmul_only_leads_epilogue_regions():
+def test_matmul_only_leads_epilogue_regions(harness):
     """mm + elementwise epilogue fuse; a reduction after it starts a new region."""
-    gm = trace(lambda x, w: torch.relu(x @ w).sum(-1), torch.randn(4, 4), torch.randn(4, 4))
+    gm = harness.trace(lambda x, w: torch.relu(x @ w).sum(-1), torch.randn(4, 4), torch.randn(4, 4))
     kinds = candidate_kinds(gm.graph, INDUCTOR_TABLE)
     regions = grow_regions(gm.graph, kinds, max_ops=16)
     kinds_per_region = [region_kind(r.kinds.values()) for r in regions]
@@ -100,8 +99,8 @@ def test_matmul_only_leads_epilogue_regions():
     assert all(k is not RegionKind.REDUCE for k in matmul_region.kinds.values())
 
 
-def test_classification_of_regions():
-    gm = trace(lambda x, b: (torch.exp(x) + b).sum(-1), torch.randn(4, 8), torch.randn(8))
+def test_classification_of_regions(harness):
+    gm = harness.trace(lambda x, b: (torch.exp(x) + b).sum(-1), torch.randn(4, 8), torch.randn(8))
     kinds = candidate_kinds(gm.graph, INDUCTOR_TABLE)
     nodes = _nodes(gm)
     assert kinds[nodes["exp"]] is RegionKind.ELEMENTWISE
@@ -109,7 +108,7 @@ def test_classification_of_regions():
     assert region_kind(kinds.values()) is RegionKind.REDUCE
 
 
-def _split_graph() -> fx.GraphModule:
+def _split_graph(harness) -> fx.GraphModule:
     """a = exp(x); m = a @ w (outside); c = tanh(y @ w) ... arranged so that {a, c} has no
     single insertion point: c's input is produced after a's outside user."""
 
@@ -120,11 +119,11 @@ def _split_graph() -> fx.GraphModule:
         c = torch.tanh(late)
         return m, c
 
-    return trace(fn, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+    return harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
 
 
-def test_region_without_insertion_point_is_split():
-    gm = _split_graph()
+def test_region_without_insertion_point_is_split(harness):
+    gm = _split_graph(harness)
     nodes, order = _nodes(gm), _order(gm)
     region = [nodes["exp"], nodes["tanh"]]
     assert not creates_cycle(set(region), order)
@@ -134,7 +133,7 @@ def test_region_without_insertion_point_is_split():
     assert split_region(region, order, min_ops=2) == []
 
 
-def test_split_keeps_most_ops_in_fewest_pieces():
+def test_split_keeps_most_ops_in_fewest_pieces(harness):
     """Five ops where only the middle boundary is illegal: two pieces covering all five."""
 
     def fn(x, y, w):
@@ -147,14 +146,14 @@ def test_split_keeps_most_ops_in_fewest_pieces():
         e = torch.neg(d)
         return m, e
 
-    gm = trace(fn, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+    gm = harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
     nodes, order = _nodes(gm), _order(gm)
     region = [nodes[n] for n in ("exp", "sin", "tanh", "cos", "neg")]
     pieces = split_region(region, order)
     assert [[n.name for n in p] for p in pieces] == [["exp", "sin"], ["tanh", "cos", "neg"]]
 
 
-def test_outline_multi_output_region_replaced_by_one_call():
+def test_outline_multi_output_region_replaced_by_one_call(harness):
     """A region with two outside-used outputs becomes one call plus two getitems."""
 
     def fn(x):
@@ -163,7 +162,7 @@ def test_outline_multi_output_region_replaced_by_one_call():
         return a * 2, b.sum()
 
     x = torch.randn(4, 4)
-    gm = trace(fn, x)
+    gm = harness.trace(fn, x)
     nodes = _nodes(gm)
     region = extract_region([nodes["exp"], nodes["sigmoid"]])
     assert [o.name for o in region.outputs] == ["exp", "sigmoid"]

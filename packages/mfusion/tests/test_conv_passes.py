@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from _helpers import AVX2, AVX512_BF16, apply, count, tolerance, trace
 from torch.nn import functional as F
 
 import mfusion
@@ -26,17 +23,20 @@ def _conv(**kwargs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_vit_patch_embedding_becomes_one_gemm(dtype):
+def test_vit_patch_embedding_becomes_one_gemm(harness, dtype):
     """8x8 patches with stride 8 over RGB, bias, ragged border (66 rows): one addmm, same values."""
     x, w, b = _randn(dtype, (2, 3, 66, 64), (16, 3, 8, 8), (16,))
     fn = _conv(stride=8)
-    gm = trace(fn, x, w, b)
-    record = apply(gm, "patch_conv", patch_conv="on")
+    gm = harness.trace(fn, x, w, b)
+    record = harness.apply(gm, "patch_conv", patch_conv="on")
     assert record.rewritten("patch_conv") == 1
-    assert count(gm, aten.convolution.default) == 0 and count(gm, aten.addmm.default) == 1
+    assert (
+        harness.count(gm, aten.convolution.default) == 0
+        and harness.count(gm, aten.addmm.default) == 1
+    )
     out = gm(x, w, b)
     assert out.shape == (2, 16, 8, 8)
-    torch.testing.assert_close(out, fn(x, w, b), **tolerance(dtype) | {"atol": 5e-2})
+    torch.testing.assert_close(out, fn(x, w, b), **harness.tolerance(dtype) | {"atol": 5e-2})
     # What a ViT does next: flatten the grid and put tokens first.
     torch.testing.assert_close(
         out.flatten(2).transpose(1, 2), fn(x, w, b).flatten(2).transpose(1, 2), atol=5e-2, rtol=0
@@ -44,15 +44,17 @@ def test_vit_patch_embedding_becomes_one_gemm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_single_channel_overlapping_windows_become_one_gemm(dtype):
+def test_single_channel_overlapping_windows_become_one_gemm(harness, dtype):
     """A speech front end: 3x3 windows with stride 2 over one channel, no bias, odd sizes."""
     x, w = _randn(dtype, (2, 1, 41, 17), (8, 1, 3, 3))
     fn = lambda x, w: F.conv2d(x, w, None, stride=2)  # noqa: E731
-    gm = trace(fn, x, w)
-    record = apply(gm, "patch_conv", patch_conv="on")
+    gm = harness.trace(fn, x, w)
+    record = harness.apply(gm, "patch_conv", patch_conv="on")
     assert record.rewritten("patch_conv") == 1
-    assert count(gm, aten.convolution.default) == 0 and count(gm, aten.mm.default) == 1
-    torch.testing.assert_close(gm(x, w), fn(x, w), **tolerance(dtype) | {"atol": 5e-2})
+    assert (
+        harness.count(gm, aten.convolution.default) == 0 and harness.count(gm, aten.mm.default) == 1
+    )
+    torch.testing.assert_close(gm(x, w), fn(x, w), **harness.tolerance(dtype) | {"atol": 5e-2})
 
 
 @pytest.mark.parametrize(
@@ -65,38 +67,40 @@ def test_single_channel_overlapping_windows_become_one_gemm(dtype):
         (((1, 4, 16, 16), (4, 2, 4, 4), (4,)), {"stride": 4, "groups": 2}, "groups=2"),
     ],
 )
-def test_refuses_convolutions_that_are_not_cheap_patches(shapes, kwargs, reason):
+def test_refuses_convolutions_that_are_not_cheap_patches(harness, shapes, kwargs, reason):
     x, w, b = _randn(torch.float32, *shapes)
-    gm = trace(_conv(**kwargs), x, w, b)
-    record = apply(gm, "patch_conv", patch_conv="on")
+    gm = harness.trace(_conv(**kwargs), x, w, b)
+    record = harness.apply(gm, "patch_conv", patch_conv="on")
     assert record.rewritten("patch_conv") == 0
     assert reason in record.refused("patch_conv")[0].reason
-    assert count(gm, aten.convolution.default) == 1
+    assert harness.count(gm, aten.convolution.default) == 1
 
 
-def test_stride_larger_than_kernel_skips_the_same_pixels():
+def test_stride_larger_than_kernel_skips_the_same_pixels(harness):
     """2x2 windows every 3 pixels over one channel: tiles with gaps, like the convolution."""
     x, w, b = _randn(torch.float32, (1, 1, 17, 16), (4, 1, 2, 2), (4,))
     fn = _conv(stride=3)
-    gm = trace(fn, x, w, b)
-    assert apply(gm, "patch_conv", patch_conv="on").rewritten("patch_conv") == 1
-    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **tolerance(torch.float32))
+    gm = harness.trace(fn, x, w, b)
+    assert harness.apply(gm, "patch_conv", patch_conv="on").rewritten("patch_conv") == 1
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **harness.tolerance(torch.float32))
 
 
-def test_transposed_and_1d_convolutions_untouched():
+def test_transposed_and_1d_convolutions_untouched(harness):
     x, w = _randn(torch.float32, (1, 4, 5, 5), (4, 2, 2, 2))
-    record = apply(
-        trace(lambda x, w: F.conv_transpose2d(x, w, stride=2), x, w), "patch_conv", patch_conv="on"
+    record = harness.apply(
+        harness.trace(lambda x, w: F.conv_transpose2d(x, w, stride=2), x, w),
+        "patch_conv",
+        patch_conv="on",
     )
     assert "transposed=True" in record.refused("patch_conv")[0].reason
     x1, w1 = _randn(torch.float32, (1, 2, 16), (4, 2, 4))
-    record = apply(
-        trace(lambda x, w: F.conv1d(x, w, stride=4), x1, w1), "patch_conv", patch_conv="on"
+    record = harness.apply(
+        harness.trace(lambda x, w: F.conv1d(x, w, stride=4), x1, w1), "patch_conv", patch_conv="on"
     )
     assert record.rewritten("patch_conv") == 0 and not record.refused("patch_conv")
 
 
-def test_compiled_patch_embedding_matches_eager():
+def test_compiled_patch_embedding_matches_eager(harness):
     """Through torch.compile: Inductor lowers the emitted unfold/permute/addmm and the permuted
     NCHW view feeds flatten + transpose + LayerNorm like in a ViT."""
 
@@ -114,7 +118,7 @@ def test_compiled_patch_embedding_matches_eager():
     torch._dynamo.reset()
     with torch.no_grad():
         opts = mfusion.compile_options(
-            backend="inductor", passes=["patch_conv"], auto_fuse=False, machine=AVX2
+            backend="inductor", passes=["patch_conv"], auto_fuse=False, machine=harness.AVX2
         )
         out = torch.compile(model, options=opts)(x)
         ref = model(x)
@@ -132,17 +136,17 @@ def _case(kind: str):
 @pytest.mark.parametrize(
     ("machine", "kind", "rewrites"),
     [
-        (AVX512_BF16, "tiles", True),
-        (AVX512_BF16, "single", True),
-        (AVX2, "tiles", True),
-        (AVX2, "single", True),
+        (("AVX512_BF16", {}), "tiles", True),
+        (("AVX512_BF16", {}), "single", True),
+        (("AVX2", {}), "tiles", True),
+        (("AVX2", {}), "single", True),
         # AVX-512 hardware with oneDNN capped to AVX2 decides as an AVX2 CPU.
-        (dataclasses.replace(AVX512_BF16, onednn_max_isa="AVX2"), "single", True),
-        (dataclasses.replace(AVX512_BF16, onednn_max_isa="nonsense"), "tiles", False),
+        (("AVX512_BF16", {"onednn_max_isa": "AVX2"}), "single", True),
+        (("AVX512_BF16", {"onednn_max_isa": "nonsense"}), "tiles", False),
         # Not measured: AMX machines, AVX-512 without BF16, other architectures.
-        (dataclasses.replace(AVX512_BF16, amx=True), "tiles", False),
-        (dataclasses.replace(AVX512_BF16, avx512_bf16=False), "tiles", False),
-        (dataclasses.replace(AVX2, arch="aarch64", cpu_capability="SVE256"), "tiles", False),
+        (("AVX512_BF16", {"amx": True}), "tiles", False),
+        (("AVX512_BF16", {"avx512_bf16": False}), "tiles", False),
+        (("AVX2", {"arch": "aarch64", "cpu_capability": "SVE256"}), "tiles", False),
     ],
     ids=[
         "avx512-bf16-tiles",
@@ -156,39 +160,50 @@ def _case(kind: str):
         "arm-tiles",
     ],
 )
-def test_auto_policy_rewrites_only_shape_classes_measured_on_that_isa(machine, kind, rewrites):
+def test_auto_policy_rewrites_only_shape_classes_measured_on_that_isa(
+    harness, machine, kind, rewrites
+):
     """patch_conv='auto' follows the machine profile's ISA level; the result equals eager."""
+    machine = harness.machine(*machine)
     fn, (x, w, b) = _case(kind)
-    gm = trace(fn, x, w, b)
-    record = apply(gm, "patch_conv", machine=machine)
+    gm = harness.trace(fn, x, w, b)
+    record = harness.apply(gm, "patch_conv", machine=machine)
     assert record.rewritten("patch_conv") == int(rewrites)
-    assert count(gm, aten.convolution.default) == (0 if rewrites else 1)
+    assert harness.count(gm, aten.convolution.default) == (0 if rewrites else 1)
     if not rewrites:
         assert "not measured to pay" in record.refused("patch_conv")[0].reason
-    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **tolerance(torch.float32))
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **harness.tolerance(torch.float32))
 
 
-def test_auto_policy_keeps_unmeasured_dtypes_and_off_keeps_everything():
+def test_auto_policy_keeps_unmeasured_dtypes_and_off_keeps_everything(harness):
     x, w, b = _randn(torch.float64, (1, 3, 16, 16), (8, 3, 4, 4), (8,))
-    record = apply(trace(_conv(stride=4), x, w, b), "patch_conv", machine=AVX512_BF16)
+    record = harness.apply(
+        harness.trace(_conv(stride=4), x, w, b), "patch_conv", machine=harness.AVX512_BF16
+    )
     assert record.rewritten("patch_conv") == 0
     assert "torch.float64" in record.refused("patch_conv")[0].reason
     # bf16 tiles pay with AVX-512 BF16 (1.87x) but not with emulated bf16 on AVX2 (1.01x).
     x, w, b = (t.to(torch.bfloat16) for t in (x, w, b))
-    record = apply(trace(_conv(stride=4), x, w, b), "patch_conv", machine=AVX512_BF16)
+    record = harness.apply(
+        harness.trace(_conv(stride=4), x, w, b), "patch_conv", machine=harness.AVX512_BF16
+    )
     assert record.rewritten("patch_conv") == 1
-    record = apply(trace(_conv(stride=4), x, w, b), "patch_conv", machine=AVX2)
+    record = harness.apply(
+        harness.trace(_conv(stride=4), x, w, b), "patch_conv", machine=harness.AVX2
+    )
     assert "torch.bfloat16 on ISA level 'avx2'" in record.refused("patch_conv")[0].reason
     fn, (x, w, b) = _case("tiles")
-    record = apply(trace(fn, x, w, b), "patch_conv", patch_conv="off", machine=AVX512_BF16)
+    record = harness.apply(
+        harness.trace(fn, x, w, b), "patch_conv", patch_conv="off", machine=harness.AVX512_BF16
+    )
     assert "patch_conv='off'" in record.refused("patch_conv")[0].reason
 
 
-def test_auto_policy_keeps_convolutions_off_cpu():
+def test_auto_policy_keeps_convolutions_off_cpu(harness):
     """A graph on another device (meta here, standing in for a GPU) keeps its convolution."""
     fn, (x, w, b) = _case("tiles")
     x, w, b = (t.to("meta") for t in (x, w, b))
-    record = apply(trace(fn, x, w, b), "patch_conv", machine=AVX512_BF16)
+    record = harness.apply(harness.trace(fn, x, w, b), "patch_conv", machine=harness.AVX512_BF16)
     assert "measured on CPU only" in record.refused("patch_conv")[0].reason
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import trace
 
 from mfusion import MFusionConfig
 from mfusion.autofuse.fuse import auto_fuse
@@ -19,43 +18,43 @@ def rms_tanh(x, w):
     return torch.tanh(y) + 1.0, y.sum(0)
 
 
-def test_import_produces_torch_dialect():
-    gm = trace(rms_tanh, torch.randn(8, 32), torch.randn(32))
+def test_import_produces_torch_dialect(harness):
+    gm = harness.trace(rms_tanh, torch.randn(8, 32), torch.randn(32))
     ir = import_region(gm)
     assert "func.func @region" in ir and "torch.aten.rsqrt" in ir
     assert "!torch.vtensor<[8,32],f32>" in ir
 
 
-def test_import_keeps_symbolic_dims_dynamic():
+def test_import_keeps_symbolic_dims_dynamic(harness):
     """A graph traced with symbolic shapes imports with dynamic dims."""
-    gm = trace(rms_tanh, torch.randn(8, 32), torch.randn(32), mode="symbolic")
+    gm = harness.trace(rms_tanh, torch.randn(8, 32), torch.randn(32), mode="symbolic")
     ir = import_region(gm)
     assert "!torch.vtensor<[?,?],f32>" in ir
 
 
-def test_jit_region_matches_eager_with_two_outputs():
+def test_jit_region_matches_eager_with_two_outputs(harness):
     x, w = torch.randn(16, 64), torch.randn(64)
-    region = compiled_region(import_region(trace(rms_tanh, x, w)))
+    region = compiled_region(import_region(harness.trace(rms_tanh, x, w)))
     outputs = [torch.empty(16, 64), torch.empty(64)]
     region([x, w], outputs)
     for got, ref in zip(outputs, rms_tanh(x, w), strict=True):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_jit_region_is_cached_by_ir():
-    ir = import_region(trace(rms_tanh, torch.randn(4, 8), torch.randn(8)))
+def test_jit_region_is_cached_by_ir(harness):
+    ir = import_region(harness.trace(rms_tanh, torch.randn(4, 8), torch.randn(8)))
     assert compiled_region(ir) is compiled_region(ir)
 
 
-def test_jit_handles_non_contiguous_input():
+def test_jit_handles_non_contiguous_input(harness):
     x, w = torch.randn(32, 16).t(), torch.randn(32)
-    region = compiled_region(import_region(trace(rms_tanh, x.contiguous(), w)))
+    region = compiled_region(import_region(harness.trace(rms_tanh, x.contiguous(), w)))
     outputs = [torch.empty(16, 32), torch.empty(32)]
     region([x, w], outputs)
     torch.testing.assert_close(outputs[0], rms_tanh(x, w)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_mlir_cpu_backend_outlines_region_and_matches_eager():
+def test_mlir_cpu_backend_outlines_region_and_matches_eager(harness):
     """auto_fuse with mlir-cpu replaces the fp32 region by one mfusion::mlir_region call."""
 
     def fn(x, w, m):
@@ -63,7 +62,7 @@ def test_mlir_cpu_backend_outlines_region_and_matches_eager():
         return (y @ m).sum(), torch.sigmoid(y)
 
     args = (torch.randn(8, 16), torch.randn(16), torch.randn(16, 4))
-    gm = trace(fn, *args)
+    gm = harness.trace(fn, *args)
     record = GraphReport(0, "mlir-cpu")
     outlined = auto_fuse(gm.graph, MFusionConfig(backend="mlir-cpu"), record)
     gm.recompile()
@@ -75,10 +74,10 @@ def test_mlir_cpu_backend_outlines_region_and_matches_eager():
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_mlir_cpu_declines_bf16_region():
+def test_mlir_cpu_declines_bf16_region(harness):
     """A region outside the capability table is not outlined: it stays with Inductor."""
     x = torch.randn(8, 16, dtype=torch.bfloat16)
-    gm = trace(lambda x: torch.exp(x) * 2 + 1, x)
+    gm = harness.trace(lambda x: torch.exp(x) * 2 + 1, x)
     record = GraphReport(0, "mlir-cpu")
     assert auto_fuse(gm.graph, MFusionConfig(backend="mlir-cpu"), record) == 0
     assert not any(n.target is torch.ops.mfusion.mlir_region.default for n in gm.graph.nodes)

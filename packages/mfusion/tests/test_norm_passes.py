@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import apply, count, tolerance, trace
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]
@@ -51,16 +50,16 @@ def _inputs(dtype, *shapes):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fn", [rmsnorm, rmsnorm_div])
-def test_rmsnorm_rewrites_and_matches_eager(fn, dtype):
+def test_rmsnorm_rewrites_and_matches_eager(harness, fn, dtype):
     """Both spellings become mul(x, x) -> mean -> rsqrt -> mul and agree with eager."""
     args = _inputs(dtype, (4, 8, 64), (64,))
-    gm = trace(fn, *args)
-    record = apply(gm, "rmsnorm")
+    gm = harness.trace(fn, *args)
+    record = harness.apply(gm, "rmsnorm")
     assert record.rewritten("rmsnorm") == 1
-    assert count(gm, aten.pow.Tensor_Scalar) == 0
-    assert count(gm, aten.div.Tensor) == 0 and count(gm, aten.sqrt.default) == 0
-    assert count(gm, aten.rsqrt.default) == 1 and count(gm, aten.mean.dim) == 1
-    torch.testing.assert_close(gm(*args), fn(*args), **tolerance(dtype))
+    assert harness.count(gm, aten.pow.Tensor_Scalar) == 0
+    assert harness.count(gm, aten.div.Tensor) == 0 and harness.count(gm, aten.sqrt.default) == 0
+    assert harness.count(gm, aten.rsqrt.default) == 1 and harness.count(gm, aten.mean.dim) == 1
+    torch.testing.assert_close(gm(*args), fn(*args), **harness.tolerance(dtype))
 
 
 @pytest.mark.parametrize(
@@ -74,64 +73,66 @@ def test_rmsnorm_rewrites_and_matches_eager(fn, dtype):
     ],
     ids=["pow3", "no-eps", "wrong-dim", "no-keepdim", "other-tensor"],
 )
-def test_rmsnorm_refuses_near_misses(fn, reason):
+def test_rmsnorm_refuses_near_misses(harness, fn, reason):
     """Near misses are reported with a reason and the graph is left unchanged."""
     (x,) = _inputs(torch.float32, (64, 64))
-    gm = trace(fn, x)
-    record = apply(gm, "rmsnorm")
+    gm = harness.trace(fn, x)
+    record = harness.apply(gm, "rmsnorm")
     assert record.rewritten() == 0
     assert any(reason in d.reason for d in record.refused("rmsnorm")), record.summary()
     assert record.ops_before == record.ops_after
     torch.testing.assert_close(gm(x), fn(x), equal_nan=True)
 
 
-def test_rmsnorm_integer_input_refused():
+def test_rmsnorm_integer_input_refused(harness):
     """A pattern over an integer tensor is refused by the dtype check."""
-    gm = trace(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), torch.ones(2, 8))
+    gm = harness.trace(
+        lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), torch.ones(2, 8)
+    )
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta["val"] = node.meta["val"].to(torch.int32)
-    record = apply(gm, "rmsnorm")
+    record = harness.apply(gm, "rmsnorm")
     assert "floating" in record.refused("rmsnorm")[0].reason
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rmsnorm_keeps_residual(dtype):
+def test_add_rmsnorm_keeps_residual(harness, dtype):
     """The residual sum stays a graph output while the norm is rewritten."""
     args = _inputs(dtype, (2, 4, 32), (2, 4, 32), (32,))
-    gm = trace(add_rmsnorm, *args)
-    record = apply(gm, "add_rmsnorm", "rmsnorm")
+    gm = harness.trace(add_rmsnorm, *args)
+    record = harness.apply(gm, "add_rmsnorm", "rmsnorm")
     assert record.rewritten("add_rmsnorm") == 1 and record.rewritten("rmsnorm") == 0
     assert "sum kept" in record.decisions[0].reason
     out, residual = gm(*args)
     ref_out, ref_residual = add_rmsnorm(*args)
     torch.testing.assert_close(residual, ref_residual)
-    torch.testing.assert_close(out, ref_out, **tolerance(dtype))
+    torch.testing.assert_close(out, ref_out, **harness.tolerance(dtype))
 
 
-def test_add_rmsnorm_refuses_broadcast_add():
+def test_add_rmsnorm_refuses_broadcast_add(harness):
     """An add that broadcasts (bias, not residual) is refused by Add+RMSNorm."""
     x, b = _inputs(torch.float32, (4, 32), (32,))
-    gm = trace(lambda x, b: rmsnorm(x + b, 1.0), x, b)
-    record = apply(gm, "add_rmsnorm")
+    gm = harness.trace(lambda x, b: rmsnorm(x + b, 1.0), x, b)
+    record = harness.apply(gm, "add_rmsnorm")
     assert "broadcasts" in record.refused("add_rmsnorm")[0].reason
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fn", [layernorm, layernorm_bert, layernorm_var])
-def test_layernorm_uses_one_var_mean(fn, dtype):
+def test_layernorm_uses_one_var_mean(harness, fn, dtype):
     """Two reductions (mean, mean of squares) become one Welford var_mean."""
     args = _inputs(dtype, (3, 5, 48), (48,), (48,))
-    gm = trace(fn, *args)
-    assert count(gm, aten.mean.dim) + count(gm, aten.var.correction) == 2
-    record = apply(gm, "layernorm")
+    gm = harness.trace(fn, *args)
+    assert harness.count(gm, aten.mean.dim) + harness.count(gm, aten.var.correction) == 2
+    record = harness.apply(gm, "layernorm")
     assert record.rewritten("layernorm") == 1
-    assert count(gm, aten.var_mean.correction) == 1
-    assert count(gm, aten.mean.dim) == 0 and count(gm, aten.var.correction) == 0
-    torch.testing.assert_close(gm(*args), fn(*args), **tolerance(dtype))
+    assert harness.count(gm, aten.var_mean.correction) == 1
+    assert harness.count(gm, aten.mean.dim) == 0 and harness.count(gm, aten.var.correction) == 0
+    torch.testing.assert_close(gm(*args), fn(*args), **harness.tolerance(dtype))
     x, w, b = (a.float() for a in args)
     reference = torch.nn.functional.layer_norm(x, (48,), w, b)
-    torch.testing.assert_close(gm(*args).float(), reference, **tolerance(dtype))
+    torch.testing.assert_close(gm(*args).float(), reference, **harness.tolerance(dtype))
 
 
 @pytest.mark.parametrize(
@@ -165,30 +166,32 @@ def test_layernorm_uses_one_var_mean(fn, dtype):
     ],
     ids=["unbiased", "no-eps", "pow3", "wrong-dim"],
 )
-def test_layernorm_refuses_near_misses(fn, reason):
+def test_layernorm_refuses_near_misses(harness, fn, reason):
     (x,) = _inputs(torch.float32, (6, 32))
-    gm = trace(fn, x)
-    record = apply(gm, "layernorm")
+    gm = harness.trace(fn, x)
+    record = harness.apply(gm, "layernorm")
     assert record.rewritten() == 0
     assert any(reason in d.reason for d in record.refused("layernorm")), record.summary()
     torch.testing.assert_close(gm(x), fn(x), equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_meanvar_pairs_into_var_mean(dtype):
+def test_meanvar_pairs_into_var_mean(harness, dtype):
     (x,) = _inputs(dtype, (4, 16, 8))
     fn = lambda x: (x.mean(1), x.var(1) * 2)  # noqa: E731
-    gm = trace(fn, x)
-    record = apply(gm, "meanvar")
+    gm = harness.trace(fn, x)
+    record = harness.apply(gm, "meanvar")
     assert record.rewritten("meanvar") == 1
-    assert count(gm, aten.var_mean.correction) == 1 and count(gm, aten.mean.dim) == 0
+    assert (
+        harness.count(gm, aten.var_mean.correction) == 1 and harness.count(gm, aten.mean.dim) == 0
+    )
     for got, ref in zip(gm(x), fn(x), strict=True):
-        torch.testing.assert_close(got, ref, **tolerance(dtype))
+        torch.testing.assert_close(got, ref, **harness.tolerance(dtype))
 
 
-def test_meanvar_refuses_different_dims():
+def test_meanvar_refuses_different_dims(harness):
     (x,) = _inputs(torch.float32, (4, 16, 8))
-    gm = trace(lambda x: (x.mean(1), x.var(2)), x)
-    record = apply(gm, "meanvar")
+    gm = harness.trace(lambda x: (x.mean(1), x.var(2)), x)
+    record = harness.apply(gm, "meanvar")
     assert "different dims" in record.refused("meanvar")[0].reason
-    assert count(gm, aten.var_mean.correction) == 0
+    assert harness.count(gm, aten.var_mean.correction) == 0

@@ -1,21 +1,37 @@
-"""Registries are complete: every pass and backend is importable, tested and lowerable."""
+"""Registries are complete and the package has no import cycles.
+
+Expected values come from outside the code under test: the pass files on disk, the backends the
+README documents, torch_npu itself, and an import graph read from the source with ``ast``.
+"""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
+import mfusion
 from mfusion import PASS_REGISTRY
 from mfusion.backends.registry import BACKEND_REGISTRY, backend_class
-from mfusion.passes.registry import build_pass
+from mfusion.passes.manager import build_pass
 
 TESTS = Path(__file__).parent
+SOURCE = Path(mfusion.__file__).parent
+# Modules of mfusion/passes/ that are infrastructure, not passes.
+NOT_PASSES = {"__init__", "_graph", "base", "cleanup", "manager", "registry"}
 
 
-def test_every_pass_builds_with_its_registered_name():
-    for name in PASS_REGISTRY:
-        assert build_pass(name).name == name
+def test_every_pass_file_is_registered_and_builds_under_its_name():
+    """The reference is the directory listing: one file per pass, named after the pass."""
+    on_disk = {p.stem for p in (SOURCE / "passes").glob("*.py")} - NOT_PASSES
+    assert set(PASS_REGISTRY) == on_disk
+    for name in on_disk:
+        graph_pass = build_pass(name)
+        assert graph_pass.name == name
+        assert type(graph_pass).__module__ == f"mfusion.passes.{name}"
 
 
 def test_every_pass_has_a_test_that_runs_it():
@@ -25,14 +41,15 @@ def test_every_pass_has_a_test_that_runs_it():
     assert not missing, f"passes without tests: {missing}"
 
 
-def test_every_backend_resolves_to_a_class_with_a_table():
-    for name in BACKEND_REGISTRY:
+def test_backends_are_the_documented_ones_with_their_own_tables():
+    assert set(BACKEND_REGISTRY) == {"inductor", "mlir-cpu", "npu"}
+    for name in ("inductor", "mlir-cpu", "npu"):
         cls = backend_class(name)
         assert cls.name == name and cls.table.backend == name
 
 
 def test_unknown_names_are_clear_errors():
-    with pytest.raises(ValueError, match="unknown pass 'fold'"):
+    with pytest.raises(ValueError, match=r"pass 'fold' is not known; available passes: .*'gelu'"):
         build_pass("fold")
     with pytest.raises(ValueError, match="backend 'tpu' is not known"):
         backend_class("tpu")
@@ -40,7 +57,6 @@ def test_unknown_names_are_clear_errors():
 
 def test_emit_refuses_ops_inductor_cannot_lower():
     """Passes can only emit ops Inductor lowers itself (never an opaque eager fallback)."""
-    import torch
     from torch import fx
 
     from mfusion.passes._graph import emit
@@ -52,9 +68,93 @@ def test_emit_refuses_ops_inductor_cannot_lower():
         emit(graph, torch.ops.aten.gelu.default, x)
 
 
-def test_auto_backend_resolves_to_inductor_without_npu():
-    from mfusion import MFusionConfig
-    from mfusion.backends.npu import NPUBackend
+def _npu_device_visible() -> bool:
+    """Asked of torch_npu directly, not through mfusion or npu_core."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401
 
-    expected = "npu" if NPUBackend.is_available() else "inductor"
+    return torch.npu.is_available() and torch.npu.device_count() > 0
+
+
+def test_auto_backend_is_npu_exactly_where_torch_npu_sees_a_device():
+    from mfusion import MFusionConfig
+
+    expected = "npu" if _npu_device_visible() else "inductor"
     assert MFusionConfig().resolved_backend() == expected
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """mfusion modules imported anywhere in ``path`` (top level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{module}: relative import")
+    return {name for name in found if name.split(".")[0] == "mfusion"}
+
+
+def _module_graph(root: Path = SOURCE) -> dict[str, set[str]]:
+    """Module name -> the package's modules it imports, read from the source under ``root``."""
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return {name: _imports(path, name) & set(modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every back edge found by a depth-first search, as the cycle it closes."""
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return cycles
+
+
+def _without_package_init(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    # The package __init__ re-exports: importing any submodule runs it first by Python's rules,
+    # and it imports everything, so its edges say nothing about the modules' own structure.
+    return {m: deps - {"mfusion"} for m, deps in graph.items() if m != "mfusion"}
+
+
+def test_no_import_cycles_between_modules():
+    """Every import, lazy ones inside functions included, forms a DAG."""
+    cycles = _cycles(_without_package_init(_module_graph()))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_config_is_a_leaf_and_the_registry_is_data():
+    graph = _module_graph()
+    assert graph["mfusion.passes.registry"] == set()
+    assert graph["mfusion.config"] <= {"mfusion.machine", "mfusion.passes.registry"}
+    assert graph["mfusion.machine"] == set()
+
+
+def test_the_cycle_detector_finds_a_planted_cycle(tmp_path):
+    """The checks above can fail: a lazy a -> b -> a cycle in a planted package is reported."""
+    pkg = tmp_path / "mfusion"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from mfusion.a import x\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from mfusion.sub.b import x\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from mfusion.a import y\n")
+    graph = _module_graph(pkg)
+    assert graph["mfusion.sub.b"] == {"mfusion.a"}
+    assert _cycles(_without_package_init(graph)) == [["mfusion.a", "mfusion.sub.b", "mfusion.a"]]

@@ -8,6 +8,7 @@ import hashlib
 import json
 
 from mfusion.machine import MachineProfile
+from mfusion.passes.registry import PASS_REGISTRY
 from npu_core import detect_backend
 
 
@@ -96,8 +97,6 @@ class MFusionConfig:
                 f"machine={self.machine!r} must be a mfusion.machine.MachineProfile or None"
             )
         if self.passes is not None:
-            from mfusion.passes.registry import PASS_REGISTRY
-
             passes = tuple(self.passes)
             unknown = [p for p in passes if p not in PASS_REGISTRY]
             if unknown:

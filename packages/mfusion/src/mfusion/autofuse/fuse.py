@@ -9,6 +9,7 @@ from mfusion.autofuse.classify import RegionKind, node_kind, region_kind
 from mfusion.autofuse.cluster import grow_regions
 from mfusion.autofuse.outline import extract_region, replace_with_call
 from mfusion.autofuse.split import split_region
+from mfusion.backends.registry import get_backend
 from mfusion.config import MFusionConfig
 from mfusion.report import GraphReport, RegionSummary
 
@@ -29,8 +30,6 @@ def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> in
     Returns:
         Number of regions outlined (replaced by one call each).
     """
-    from mfusion.backends.registry import get_backend
-
     backend = get_backend(config.resolved_backend())
     kinds = candidate_kinds(graph, backend.table)
     regions = grow_regions(

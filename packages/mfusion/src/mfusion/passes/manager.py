@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import importlib
 import time
 from pathlib import Path
 
@@ -14,9 +15,9 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mfusion.config import MFusionConfig
-from mfusion.passes.base import PassContext
+from mfusion.passes.base import MFusionPass, PassContext
 from mfusion.passes.cleanup import cleanup
-from mfusion.passes.registry import PASS_REGISTRY, build_pass
+from mfusion.passes.registry import PASS_REGISTRY
 from mfusion.report import GraphReport, new_graph_report
 
 
@@ -29,6 +30,22 @@ def package_source_hash() -> str:
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def build_pass(name: str) -> MFusionPass:
+    """Instantiate the pass registered under ``name`` in :data:`PASS_REGISTRY`.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the registered names).
+    """
+    try:
+        location = PASS_REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"pass {name!r} is not known; available passes: {sorted(PASS_REGISTRY)}"
+        ) from None
+    module, attr = location.split(":")
+    return getattr(importlib.import_module(module), attr)()
 
 
 def _op_counter(graph: fx.Graph) -> collections.Counter[str]:
