@@ -1,0 +1,236 @@
+"""Command-line options generated from a :class:`~npu_core.config.StrictConfig`, for typer apps.
+
+Every CLI of the workspace configures its run the same way: the settings model's fields are the
+options (their descriptions are the ``--help``), ``--config FILE.toml`` and repeatable
+``--set section.field=value`` reach every field, including those without an option of their own.
+Precedence, lowest first: the model's defaults (or a base the command picks, e.g. a preset), the
+TOML file, ``--set``, then options given explicitly. A bad value stops the command before any
+work with one line on stderr naming the key, the value and what is allowed, and exit code 2
+(:func:`fail`), the convention of every CLI here.
+
+    @app.command()
+    @config_options(GenerateOptions, flags={"out": "--out"})
+    def generate(config: GenerateOptions, overwrite: bool = False) -> None: ...
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from npu_core.config import ConfigError, StrictConfig, set_dotted
+
+EXIT_USAGE = 2
+"""Exit code of a refused input, as click uses for usage errors."""
+
+_CONFIG_FILE = "config_file_"
+_SET_ITEMS = "set_items_"
+
+BaseFactory = Callable[[dict[str, Any]], StrictConfig | None]
+"""Picks the starting configuration from the command's own arguments (e.g. a preset name)."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` as one line on stderr and exit with code 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(EXIT_USAGE)
+
+
+def config_options(
+    model: type[StrictConfig],
+    *,
+    flags: Mapping[str, str] | None = None,
+    exclude: tuple[str, ...] = (),
+    base: BaseFactory | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a typer command so that it takes ``config: model`` built from the command line.
+
+    Args:
+        model: the settings class; each scalar leaf field becomes an option, ``--field-name``
+            for top-level fields and ``--section.field-name`` for nested ones.
+        flags: dotted field -> option name, where a shorter or historical name reads better
+            (``{"parallel.nproc": "--nproc"}``).
+        exclude: dotted fields (or whole sections) without an option; ``--set`` still reaches them.
+        base: called with the command's own arguments; returns the configuration the layers go
+            on top of (None: the model's defaults).
+
+    The decorated function must have a parameter named ``config``; its other parameters stay
+    options or arguments of their own and are passed through unchanged.
+    """
+    flags = dict(flags or {})
+    unknown = [key for key in (*flags, *exclude) if not _has_field(model, key)]
+    if unknown:
+        raise ValueError(f"{model.__name__} has no field {', '.join(sorted(unknown))}")
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(func)
+        if "config" not in signature.parameters:
+            raise TypeError(f"{func.__name__} needs a `config` parameter to receive {model}")
+        hints = typing.get_type_hints(func, include_extras=True)
+        own = [p for p in signature.parameters.values() if p.name != "config"]
+        generated = {
+            _param_name(path): (path, _option_parameter(path, field, flags))
+            for path, field in _leaf_fields(model)
+            if not _excluded(path, exclude) and _option_type(field.annotation) is not None
+        }
+        layers = [
+            inspect.Parameter(
+                _CONFIG_FILE,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[
+                    Path | None,
+                    typer.Option("--config", help="TOML file; its tables mirror the sections."),
+                ],
+            ),
+            inspect.Parameter(
+                _SET_ITEMS,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[
+                    list[str] | None,
+                    typer.Option(
+                        "--set",
+                        help="Override any field, repeatable: --set section.field=value "
+                        '(TOML values: 3, 0.5, true, "text", [1, 2]).',
+                    ),
+                ],
+            ),
+        ]
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            toml_path = kwargs.pop(_CONFIG_FILE)
+            overrides = kwargs.pop(_SET_ITEMS) or []
+            explicit = {
+                ".".join(path): kwargs.pop(name)
+                for name, (path, _) in generated.items()
+                if kwargs.get(name) is not None
+            }
+            for name in generated:
+                kwargs.pop(name, None)
+            try:
+                start = base(dict(kwargs)) if base is not None else None
+                tree = model.load(start, toml_path, overrides).model_dump()
+                for key, value in explicit.items():
+                    set_dotted(tree, key, value.value if isinstance(value, enum.Enum) else value)
+                config = model.validate_tree(tree)
+            except ConfigError as exc:
+                fail(str(exc))
+            return func(config=config, **kwargs)
+
+        params = own + [param for _, param in generated.values()] + layers
+        command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {
+            **{k: v for k, v in hints.items() if k != "config"},
+            **{p.name: p.annotation for p in params[len(own) :]},
+        }
+        return command
+
+    return decorate
+
+
+def _leaf_fields(
+    model: type[BaseModel], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], FieldInfo]]:
+    """Depth-first (dotted path, field) for every field that is not itself a section."""
+    for name, field in model.model_fields.items():
+        path = (*prefix, name)
+        section = _section_model(field.annotation)
+        if section is not None:
+            yield from _leaf_fields(section, path)
+        else:
+            yield path, field
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _has_field(model: type[BaseModel], dotted: str) -> bool:
+    node: type[BaseModel] | None = model
+    for part in dotted.split("."):
+        if node is None or part not in node.model_fields:
+            return False
+        node = _section_model(node.model_fields[part].annotation)
+    return True
+
+
+def _excluded(path: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
+    dotted = ".".join(path)
+    return any(dotted == item or dotted.startswith(item + ".") for item in exclude)
+
+
+def _param_name(path: tuple[str, ...]) -> str:
+    return "cfg__" + "__".join(path)
+
+
+def _option_type(annotation: Any) -> Any:
+    """The type typer parses for a field, or None when only ``--set`` can express it.
+
+    Optional scalars keep their scalar; Literal and Enum choices are parsed as text and
+    validated by the model, whose error lists the allowed values.
+    """
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _option_type(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return _option_type(members[0]) if len(members) == 1 else None
+    if origin is typing.Literal:
+        return str
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return str
+    if annotation in (bool, int, float, str, Path):
+        return annotation
+    return None
+
+
+def _choices(annotation: Any) -> list[str]:
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _choices(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [c for arg in typing.get_args(annotation) for c in _choices(arg)]
+    if origin is typing.Literal:
+        return [str(arg) for arg in typing.get_args(annotation)]
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return [str(member.value) for member in annotation]
+    return []
+
+
+def _option_parameter(
+    path: tuple[str, ...], field: FieldInfo, flags: Mapping[str, str]
+) -> inspect.Parameter:
+    dotted = ".".join(path)
+    kind = _option_type(field.annotation)
+    name = flags.get(dotted) or "--" + ".".join(part.replace("_", "-") for part in path)
+    decls = [f"{name}/--no-{name.removeprefix('--')}"] if kind is bool else [name]
+    help_text = (field.description or "").rstrip()
+    choices = _choices(field.annotation)
+    if choices:
+        help_text += f" One of: {', '.join(choices)}."
+    if not field.is_required():
+        default = field.get_default(call_default_factory=True)
+        shown = default.value if isinstance(default, enum.Enum) else default
+        help_text += f" (default: {shown})"
+    panel = path[0].replace("_", " ").capitalize() if len(path) > 1 else None
+    option = typer.Option(*decls, help=help_text.strip(), rich_help_panel=panel)
+    return inspect.Parameter(
+        _param_name(path),
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[kind | None, option],
+    )

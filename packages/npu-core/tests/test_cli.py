@@ -1,0 +1,140 @@
+"""npu_core.cli: options generated from config fields, layered with --config and --set."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import typer
+from pydantic import Field
+from typer.testing import CliRunner
+
+from npu_core.cli import config_options
+from npu_core.config import StrictConfig
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Parallel(StrictConfig):
+    nproc: int = Field(4, ge=1, description="Local ranks.")
+    timeout_s: float = Field(60.0, gt=0, description="Collective timeout.")
+
+
+class Job(StrictConfig):
+    parallel: Parallel = Field(default_factory=Parallel)
+    steps: int = Field(10, ge=1, description="Optimizer steps.")
+    mode: Literal["fast", "exact"] = Field("exact", description="Arithmetic.")
+    colour: Colour = Field(Colour.RED, description="Plot colour.")
+    fast_path: bool = Field(False, description="Take the fast path.")
+    out: Path = Field(Path("runs"), description="Output folder.")
+    tags: list[str] = Field(default_factory=list, description="Free labels.")
+
+
+PRESETS = {"default": Job(), "long": Job(steps=100)}
+
+
+def _app(seen: list) -> typer.Typer:
+    app = typer.Typer(add_completion=False)
+
+    @app.command()
+    @config_options(
+        Job,
+        flags={"parallel.nproc": "--nproc"},
+        base=lambda args: PRESETS[args["preset"]],
+    )
+    def run(config: Job, preset: str = "default", resume: bool = False) -> None:
+        seen.append((config, preset, resume))
+
+    @app.command()
+    def other() -> None:  # a second command keeps typer from collapsing to a single one
+        pass
+
+    return app
+
+
+def _invoke(*args: str):
+    seen: list = []
+    result = CliRunner().invoke(_app(seen), ["run", *args])
+    return result, (seen[0] if seen else None)
+
+
+def test_defaults_and_explicit_options():
+    result, (cfg, preset, resume) = _invoke()
+    assert result.exit_code == 0, result.output
+    assert cfg == Job() and preset == "default" and resume is False
+    result, (cfg, _, resume) = _invoke(
+        "--nproc", "2", "--parallel.timeout-s", "5", "--mode", "fast", "--colour", "blue",
+        "--fast-path", "--out", "x", "--resume",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert cfg == Job(
+        parallel=Parallel(nproc=2, timeout_s=5.0),
+        mode="fast",
+        colour=Colour.BLUE,
+        fast_path=True,
+        out=Path("x"),
+    )
+    assert resume is True
+
+
+def test_precedence_base_toml_set_option(tmp_path: Path):
+    toml = tmp_path / "job.toml"
+    toml.write_text("steps = 20\n[parallel]\nnproc = 3\ntimeout_s = 9.0\n")
+    result, (cfg, _, _) = _invoke(
+        "--preset", "long", "--config", str(toml), "--set", "parallel.nproc=6", "--nproc", "8"
+    )
+    assert result.exit_code == 0, result.output
+    assert (cfg.steps, cfg.parallel.nproc, cfg.parallel.timeout_s) == (20, 8, 9.0)
+    result, (cfg, _, _) = _invoke("--preset", "long", "--set", 'tags=["a"]')
+    assert (cfg.steps, cfg.tags) == (100, ["a"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "0"], "parallel.nproc: Input should be greater than or equal to 1 (got 0)"),
+        (["--parallel.timeout-s", "-1"], "parallel.timeout_s: Input should be greater than 0"),
+        (["--mode", "quick"], "mode: Input should be 'fast' or 'exact' (got 'quick')"),
+        (["--colour", "green"], "colour: Input should be 'red' or 'blue' (got 'green')"),
+        (["--set", "steps=true"], "steps: a boolean is not a number (got True)"),
+        (["--set", "parallel=3"], "parallel: Input should be a valid dictionary"),
+        (["--set", "bogus.key=1"], "bogus: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str):
+    result, seen = _invoke(*args)
+    assert result.exit_code == 2
+    assert seen is None  # the command body never ran
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: invalid configuration: ")
+    assert message in lines[0]
+
+
+def test_help_is_the_field_descriptions():
+    result = CliRunner().invoke(_app([]), ["run", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for text in (
+        "--nproc",
+        "Local ranks. (default: 4)",
+        "--parallel.timeout-s",
+        "Arithmetic. One of: fast, exact.",
+        "Plot colour. One of: red, blue. (default: red)",
+        "--fast-path",
+        "--no-fast-path",
+        "--config",
+        "--set",
+    ):
+        assert text in result.output, text
+    assert "--tags" not in result.output  # a list: only --set reaches it
+
+
+def test_declaration_errors_are_caught_early():
+    with pytest.raises(ValueError, match=r"no field parallel\.bogus"):
+        config_options(Job, flags={"parallel.bogus": "--bogus"})
+    with pytest.raises(TypeError, match="needs a `config` parameter"):
+        config_options(Job)(lambda steps: None)
