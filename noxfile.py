@@ -136,10 +136,12 @@ def _device_summary(machine: str, reports: list[tuple[str, Path]]) -> str:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
-    _sync(session, "--only-group", "lint")
+    """ruff check and ruff format --check over the whole tree, then mypy ([tool.mypy] files)."""
+    # every member installed: mypy follows imports into torch and the sibling packages
+    _sync(session, "--all-packages", "--group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
 
 
 @nox.session

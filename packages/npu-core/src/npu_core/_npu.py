@@ -31,7 +31,7 @@ def npu_device_count() -> int:
     import torch
 
     try:
-        return int(torch.npu.device_count())
+        return int(torch.npu.device_count())  # type: ignore[attr-defined]  # added by torch_npu
     except Exception as exc:
         logger.debug("torch.npu.device_count() failed: %s", exc)
         return 0

@@ -126,7 +126,8 @@ def default_sync() -> Callable[[], None]:
     module = device_module(detect_backend())
     if module is None:
         return lambda: None
-    return module.synchronize
+    sync: Callable[[], None] = module.synchronize
+    return sync
 
 
 def _check_counts(warmup: int, repeats: int) -> None:

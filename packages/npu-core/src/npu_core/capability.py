@@ -146,7 +146,7 @@ def claims_fast_matmul(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda":
         return dtype is torch.float16 or torch.cuda.is_bf16_supported()
     if device.type == "npu":
-        supported = getattr(torch.npu, "is_bf16_supported", None)
+        supported = getattr(torch.npu, "is_bf16_supported", None)  # type: ignore[attr-defined]
         return dtype is torch.float16 or supported is None or bool(supported())
     if device.type == "cpu":
         return bool(cpu_info().flags & _NATIVE_FLAGS[dtype])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
@@ -39,7 +40,10 @@ _COMM_FOR = {
 }
 
 
-def _parse(enum_type: type[enum.StrEnum], value: str, source: str) -> enum.StrEnum:
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def _parse(enum_type: type[_E], value: str, source: str) -> _E:
     try:
         return enum_type(value.lower())
     except ValueError:
@@ -94,7 +98,7 @@ def device_module(backend: Backend | str | None = None) -> ModuleType | None:
     backend = Backend(backend) if backend is not None else detect_backend()
     if backend is Backend.NPU:
         import_torch_npu()
-        return torch.npu
+        return torch.npu  # type: ignore[attr-defined,no-any-return]  # added by torch_npu
     if backend is Backend.CUDA:
         return torch.cuda
     return None

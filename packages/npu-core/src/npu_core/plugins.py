@@ -184,7 +184,7 @@ class Registry(Generic[T, C]):
                 raise PluginError(f"{self.kind} {forced!r} cannot run this call: {reason}")
             self._log_once(plugin, call, "forced")
             return plugin
-        skipped = []
+        skipped: list[str] = []
         for plugin in self._ordered():
             reason = self._rejection(plugin, call)
             if reason is None:

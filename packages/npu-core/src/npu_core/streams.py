@@ -113,7 +113,8 @@ def new_stream(device: torch.device | str | None = None) -> Stream:
     dev, module = _resolve(device)
     if module is None:
         return CpuStream()
-    return module.Stream(device=dev)
+    stream: torch.Stream = module.Stream(device=dev)
+    return stream
 
 
 def current_stream(device: torch.device | str | None = None) -> Stream:
@@ -121,7 +122,8 @@ def current_stream(device: torch.device | str | None = None) -> Stream:
     dev, module = _resolve(device)
     if module is None:
         return _CPU_STREAM
-    return module.current_stream(dev)
+    stream: torch.Stream = module.current_stream(dev)
+    return stream
 
 
 @contextlib.contextmanager
@@ -141,7 +143,8 @@ def new_event(device: torch.device | str | None = None, enable_timing: bool = Fa
     _, module = _resolve(device)
     if module is None:
         return CpuEvent(enable_timing=enable_timing)
-    return module.Event(enable_timing=enable_timing)
+    event: torch.Event = module.Event(enable_timing=enable_timing)
+    return event
 
 
 def copy_async(src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Event:
@@ -160,7 +163,9 @@ def copy_async(src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Event:
     if isinstance(stream, CpuStream):
         dst.copy_(src)
         return stream.record_event()
-    stream.wait_stream(current_stream(stream.device))
+    producer = current_stream(stream.device)
+    assert not isinstance(producer, CpuStream)  # a device stream's device has device streams
+    stream.wait_stream(producer)
     with use_stream(stream):
         dst.copy_(src, non_blocking=True)
     for tensor in (src, dst):

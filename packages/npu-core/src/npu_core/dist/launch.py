@@ -57,7 +57,8 @@ def find_free_port(host: str = LOOPBACK) -> int:
     """Ask the OS for a TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _rank_main(
@@ -115,7 +116,7 @@ def _dumps_or_error(value: Any, rank: int) -> bytes:
 START_METHODS = ("forkserver", "spawn")
 
 
-def _context(start_method: str) -> multiprocessing.context.BaseContext:
+def _context(start_method: str) -> Any:  # Spawn- or ForkServerContext (BaseContext lacks Process)
     # forkserver with torch preloaded: ranks fork from a server that imported torch and DTensor
     # once, instead of each re-importing them (see benchmarks/launch_startup.py), and unlike
     # fork they never inherit the parent's threads or device state.
