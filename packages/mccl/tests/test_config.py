@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mccl import config
+from mccl import config, env
 
 
 def test_missing_rank_names_argument_and_variable(monkeypatch):
@@ -24,7 +24,7 @@ def test_defaults_come_from_torchrun_environment(monkeypatch):
     """RANK / WORLD_SIZE / MCCL_INIT_TIMEOUT fill what the call leaves out."""
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
-    monkeypatch.setenv(config.INIT_TIMEOUT, "12.5")
+    monkeypatch.setenv(env.INIT_TIMEOUT, "12.5")
     request = config.resolve_request(None, None, None, None, 60, None)
     assert (request.rank, request.world_size, request.init_timeout_s) == (3, 8, 12.5)
     assert request.init_method == "env://" and request.timeout.total_seconds() == 60
@@ -48,7 +48,7 @@ def test_known_backends_pass_unchanged(backend):
 
 def test_nonpositive_init_timeout_is_refused():
     """init_timeout <= 0 is an error naming the argument."""
-    with pytest.raises(ValueError, match="init_timeout must be positive"):
+    with pytest.raises(ValueError, match="init_timeout must be a positive, finite number"):
         config.resolve_request("gloo", None, 0, 1, None, 0)
 
 
@@ -57,12 +57,12 @@ def test_nonpositive_init_timeout_is_refused():
 )
 def test_async_env_switch(monkeypatch, value, expected):
     """MCCL_ASYNC_INIT=0 turns the asynchronous path off."""
-    monkeypatch.setenv(config.ASYNC_INIT, value)
+    monkeypatch.setenv(env.ASYNC_INIT, value)
     assert config.async_init_enabled(True) is expected
 
 
 def test_async_env_switch_rejects_garbage(monkeypatch):
     """A value that is not a boolean is refused with the variable's name."""
-    monkeypatch.setenv(config.ASYNC_INIT, "maybe")
+    monkeypatch.setenv(env.ASYNC_INIT, "maybe")
     with pytest.raises(ValueError, match="MCCL_ASYNC_INIT='maybe'"):
         config.async_init_enabled(True)

@@ -7,12 +7,7 @@ worker or under ``npu_core.dist.launch`` (whose ranks leave through ``os._exit``
 
 from __future__ import annotations
 
-import os
-import select
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,97 +16,12 @@ import torch.distributed as dist
 import mccl
 from npu_core.dist import LOOPBACK, find_free_port, launch
 
-pytestmark = pytest.mark.distributed
-
-JOB = Path(__file__).with_name("_absent_rank_job.py")
-IMPORT_LIMIT_S = 300.0  # importing torch on a loaded 2-core machine took up to 30 s
 MARGIN_S = 2.0
-"""From init start to the last exit handler (mccl's has run): init_timeout plus this."""
-TEARDOWN_S = 10.0
-"""Then the interpreter's own teardown (its garbage collection of torch's modules): 2.1-4.9 s
-measured on a loaded 2-core machine, an empty script importing torch included."""
+"""From the first use to the error, at most init_timeout plus this."""
 
 
-def _run_ranks(ranks: list[int], world_size: int, args: list[str], tmp_path: Path) -> list[dict]:
-    """Start ``ranks`` of a ``world_size`` job, release them together, time each exit."""
-    env = {
-        **os.environ,
-        "MASTER_ADDR": LOOPBACK,
-        "MASTER_PORT": str(find_free_port()),
-        "WORLD_SIZE": str(world_size),
-        "OMP_NUM_THREADS": "1",
-    }
-    procs, logs = [], []
-    for rank in ranks:
-        log = (tmp_path / f"rank{rank}.stderr").open("w+")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(JOB), *args],
-                env={**env, "RANK": str(rank)},
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
-        )
-        logs.append(log)
-    try:
-        for proc, log in zip(procs, logs, strict=True):
-            line = _read_line(proc, IMPORT_LIMIT_S)
-            assert line == "ready", f"rank did not start: {line!r}\n{_text(log)}"
-        start = time.monotonic()
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        ended: dict[int, float] = {}
-        limit = start + float(args[0]) + 60.0  # a hang fails the test instead of blocking it
-        while len(ended) < len(procs) and time.monotonic() < limit:
-            for i, proc in enumerate(procs):
-                if i not in ended and proc.poll() is not None:
-                    ended[i] = time.monotonic() - start
-            time.sleep(0.02)
-        results = []
-        for i, (rank, proc, log) in enumerate(zip(ranks, procs, logs, strict=True)):
-            returncode = proc.poll()
-            stamps = {}
-            if returncode is not None:
-                for line in proc.stdout.read().splitlines():
-                    name, _, value = line.partition(" ")
-                    stamps[name] = float(value)
-            ready = stamps.get("exit-ready", float("inf")) - stamps.get("init-start", 0.0)
-            results.append(
-                {
-                    "rank": rank,
-                    "returncode": returncode,
-                    "after": ended.get(i),  # from the go signal to the process's end
-                    "exit_ready": ready,  # from init start to mccl's exit handler done
-                    "stderr": _text(log),
-                }
-            )
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    readable, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not readable:
-        return "<timed out>"
-    return proc.stdout.readline().strip() or f"<exited with {proc.wait()}>"
-
-
-def _text(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()
-
-
-def test_missing_rank_fails_once_and_exits_cleanly(tmp_path):
+@pytest.mark.distributed
+def test_missing_rank_fails_once_and_exits_cleanly(rank_jobs):
     """3-rank job, rank 2 never started: ranks 0 and 1 name it once and exit with status 1.
 
     Rank 1 keeps finalising until rank 0 has exited, closing the store it hosts. A thread still
@@ -121,7 +31,7 @@ def test_missing_rank_fails_once_and_exits_cleanly(tmp_path):
     finalise more slowly than rank 0.
     """
     init_timeout = 4.0
-    first, second = _run_ranks([0, 1], 3, [str(init_timeout), "use", "linger"], tmp_path)
+    first, second = rank_jobs.run([0, 1], 3, [str(init_timeout), "use", "linger"])
     for result in (first, second):
         stderr, rank = result["stderr"], result["rank"]
         assert result["returncode"] == 1, f"rank {rank}: status {result['returncode']}\n{stderr}"
@@ -130,18 +40,20 @@ def test_missing_rank_fails_once_and_exits_cleanly(tmp_path):
         # is_initialized() while handling it) prints no "During handling ..." chain.
         assert stderr.count("mccl.errors.InitTimeoutError: ") == 1, stderr
         assert "ranks [2] of 3" in stderr, stderr
-        assert result["exit_ready"] <= init_timeout + MARGIN_S, (rank, result["exit_ready"])
-    assert first["after"] <= init_timeout + MARGIN_S + TEARDOWN_S, first["after"]
-    assert second["after"] <= first["after"] + TEARDOWN_S, (first["after"], second["after"])
+        assert result["exit_ready"] <= init_timeout + rank_jobs.margin_s, (rank, result)
+    assert first["after"] <= init_timeout + rank_jobs.margin_s + rank_jobs.teardown_s, first
+    assert second["after"] <= first["after"] + rank_jobs.teardown_s, (first, second)
 
 
-def test_exit_while_init_pending_is_prompt_and_clean(tmp_path):
+@pytest.mark.distributed
+def test_exit_while_init_pending_is_prompt_and_clean(rank_jobs):
     """A script that ends before its peers arrive exits at once, not at init_timeout."""
-    (result,) = _run_ranks([0], 2, ["60", "exit"], tmp_path)
+    (result,) = rank_jobs.run([0], 2, ["60", "exit"])
     assert result["returncode"] == 0, result["stderr"]
     assert "terminate called" not in result["stderr"], result["stderr"]
-    assert result["exit_ready"] <= MARGIN_S, result
-    assert result["after"] is not None and result["after"] <= MARGIN_S + TEARDOWN_S, result
+    assert result["exit_ready"] <= rank_jobs.margin_s, result
+    limit = rank_jobs.margin_s + rank_jobs.teardown_s
+    assert result["after"] is not None and result["after"] <= limit, result
 
 
 def _calls_after_failure(init_timeout: float) -> dict:
@@ -188,6 +100,7 @@ def _calls_after_failure(init_timeout: float) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_every_call_after_a_failure_raises_the_same_error_at_once():
     """After InitTimeoutError, queries, collectives, new_group and waits re-raise it, no wait."""
     init_timeout = 2.0

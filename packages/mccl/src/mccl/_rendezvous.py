@@ -18,15 +18,13 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from mccl import env
 from mccl.config import InitRequest
 from mccl.errors import InitTimeoutError, MCCLError
 
 POLL_S = 0.5
 """Longest single blocking call while waiting for peers (a connection attempt to the store);
 also how often the ranks still missing are listed one by one."""
-
-FIRST_CONNECT_S = 2.0
-"""How long a joining rank lets torch's client connect before waiting for the store in Python."""
 
 _PROBE_PAUSE_S = 0.1
 _POLL_FRACTION = 0.05
@@ -38,7 +36,8 @@ def store_address(request: InitRequest) -> str:
     """``host:port`` of the store for env:// and tcp://, else the init URL itself."""
     url = urlparse(request.init_method)
     if url.scheme == "env":
-        return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        port = env.integer(env.MASTER_PORT)
+        return f"{env.master_addr() or '?'}:{'?' if port is None else port}"
     if url.scheme == "tcp":
         return f"{url.hostname}:{url.port}"
     return request.init_method
@@ -58,16 +57,17 @@ def connect_store(request: InitRequest, deadline: float, stop: threading.Event) 
     handler makes rank 0 block in the constructor until everyone connects, and then fails
     without saying who is missing. Other schemes (file://) go through torch's rendezvous.
 
-    A joining rank first lets torch's client try for at most :data:`FIRST_CONNECT_S` (it
-    retries a refused connection silently; the store is usually up, under torchrun always).
-    That call cannot be stopped, and with a long timeout it blocks for up to twice the timeout,
-    so if the store is not up by then the rank waits in Python, in :data:`POLL_S` steps, until
-    the store's port accepts connections, and connects again.
+    A joining rank first waits in Python, in :data:`POLL_S` steps, until the store's port
+    accepts a connection, and only then creates torch's client. Handing an absent store to
+    torch's client instead costs up to twice its timeout (it retries once after a pause),
+    cannot be stopped, and when it gives up c10d logs the error with about 30 lines of C++
+    stack frames on stderr. When the store is up (always under torchrun) the probe is one
+    loopback connection, answered at once and closed; the store logs nothing for it.
 
     Raises:
         InitTimeoutError: the store did not accept connections before ``deadline`` (rank 0,
             which hosts it, never arrived).
-        MCCLError: ``stop`` was set first.
+        MCCLError: ``stop`` was set first, or rank 0 could not host the store (port taken).
     """
     url = urlparse(request.init_method)
     if url.scheme not in ("env", "tcp"):
@@ -77,27 +77,37 @@ def connect_store(request: InitRequest, deadline: float, stop: threading.Event) 
         )
         return store
     host, port = _host_port(request, url)
-    agent_serves = (
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and os.environ.get("MASTER_ADDR") == host
-        and os.environ.get("MASTER_PORT") == str(port)
-    )
+    env_store = (env.master_addr(), env.integer(env.MASTER_PORT))
+    agent_serves = env.agent_serves_store() and env_store == (host, port)
     is_master = request.rank == 0 and not agent_serves
-    # torch's client takes up to about twice its timeout (a retry after a pause) to give up.
-    first_try = min(max((deadline - time.monotonic()) / 2.5, 0.1), FIRST_CONNECT_S)
-    try:
-        store = _tcp_store(request, host, port, is_master, first_try)
-    except (RuntimeError, dist.DistError) as exc:
-        if is_master:
-            raise
+    if is_master:
+        store = _host_store(request, host, port)
+    else:
         _await_listener(host, port, request, deadline, stop)
-        try:
-            store = _tcp_store(request, host, port, False, max(deadline - time.monotonic(), POLL_S))
-        except (RuntimeError, dist.DistError):
-            raise _unreachable_error(request, host, port) from exc
+        store = _join_store(request, host, port, deadline)
     # Later get()s without their own timeout (process-group construction) use the store's.
     store.set_timeout(datetime.timedelta(seconds=request.init_timeout_s))
     return store
+
+
+def _host_store(request: InitRequest, host: str, port: int) -> dist.TCPStore:
+    try:
+        return _tcp_store(request, host, port, True, request.init_timeout_s)
+    except (RuntimeError, dist.DistError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        error = MCCLError(
+            f"rank 0 could not host the rendezvous store on {host}:{port}: {reason}; another "
+            "job may hold that port (choose another MASTER_PORT / tcp:// port)"
+        )
+    raise error  # outside the handler: torch's exception is not chained in front of ours
+
+
+def _join_store(request: InitRequest, host: str, port: int, deadline: float) -> dist.TCPStore:
+    try:
+        return _tcp_store(request, host, port, False, max(deadline - time.monotonic(), POLL_S))
+    except (RuntimeError, dist.DistError):
+        pass  # the listener went away between the probe and the connection
+    raise _unreachable_error(request, host, port)
 
 
 def _tcp_store(
@@ -146,13 +156,16 @@ def _host_port(request: InitRequest, url) -> tuple[str, int]:
         if url.hostname is None or url.port is None:
             raise ValueError(f"init_method {request.init_method!r} needs tcp://HOST:PORT")
         return url.hostname, url.port
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-    if missing:
+    addr, port = env.master_addr(), env.integer(env.MASTER_PORT)
+    missing = [
+        name for name, value in ((env.MASTER_ADDR, addr), (env.MASTER_PORT, port)) if not value
+    ]
+    if missing or addr is None or port is None:
         raise ValueError(
             f"init_method env:// needs {' and '.join(missing)} in the environment "
             "(torchrun sets them), or pass init_method='tcp://HOST:PORT'"
         )
-    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return addr, port
 
 
 def announce(store: dist.Store, request: InitRequest) -> None:

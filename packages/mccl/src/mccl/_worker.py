@@ -14,6 +14,8 @@ out of C++ before finalisation does.
 from __future__ import annotations
 
 import atexit
+import datetime
+import re
 import threading
 import time
 import weakref
@@ -24,22 +26,26 @@ import torch.distributed as dist
 
 from mccl import gate
 from mccl._rendezvous import (
+    POLL_S,
     announce,
     await_arrivals,
     connect_store,
     store_address,
 )
 from mccl.config import InitRequest
-from mccl.errors import InitTimeoutError
+from mccl.errors import InitTimeoutError, MCCLError
 
 STALL_GRACE_S = 10.0
-"""When every rank has arrived, process-group construction may run this much past init_timeout
-before the first use gives up on it (its gloo/NCCL connections are still being made)."""
+"""When every rank has arrived, construction of a process group that is not bounded by
+``init_timeout`` (any backend but gloo) may run this much past it before the first use gives up
+on it (its NCCL/HCCL connections are still being made)."""
 
 EXIT_JOIN_S = STALL_GRACE_S
 """Longest wait at interpreter exit for the thread. Waiting for peers it leaves within one check
-or connection attempt (under 0.5 s; a first connection to the store, about 5 s at most); only
-process-group construction, once every rank has arrived, can take longer."""
+or connection attempt (under 0.5 s); only process-group construction, once every rank has
+arrived, can take longer (gloo's ends at ``init_timeout``)."""
+
+_GLOO_KEY_RANK = re.compile(r"/(\d+)$")
 
 _workers: weakref.WeakSet[InitWorker] = weakref.WeakSet()
 
@@ -165,19 +171,64 @@ class InitWorker:
             announce(self._store, request)
             await_arrivals(self._store, request, self.deadline, self._stop)
             self._all_arrived = True
-            dist.init_process_group(
-                request.backend,
-                store=self._store,
-                rank=request.rank,
-                world_size=request.world_size,
-                timeout=request.timeout,
-            )
+            self._construct()
             self._create_queued_groups()
         except BaseException as exc:
             self._settle(exc)
         else:
             if self._settle(None):
                 gate.release(self)
+
+    def _construct(self) -> None:
+        """Build the default process group; gloo's connection set-up ends at the deadline.
+
+        gloo connects its full mesh inside the constructor, waiting on the store for each
+        peer's address with the process group's collective timeout (30 min by default), not
+        the store's. A rank that exits after announcing itself would hold the others there
+        long past ``init_timeout`` (measured: 15 s for ``init_timeout=5``, the whole
+        :data:`STALL_GRACE_S`, then a 10 s join at exit). So gloo is built with the time left
+        and given the collective timeout right after. Other backends are left as they are:
+        NCCL/HCCL connect lazily, and their timeout also arms a watchdog.
+        """
+        request = self.request
+        bounded = _is_gloo(request.backend)
+        timeout = request.timeout
+        if bounded:
+            left = max(self.deadline - time.monotonic(), POLL_S)
+            timeout = min(timeout, datetime.timedelta(seconds=left))
+        try:
+            dist.init_process_group(
+                request.backend,
+                store=self._store,
+                rank=request.rank,
+                world_size=request.world_size,
+                timeout=timeout,
+            )
+        except dist.DistStoreError as exc:
+            if not bounded:
+                raise
+            raise self._construction_error(str(exc)) from None
+        if timeout != request.timeout:
+            _set_group_timeout(request.timeout)
+
+    def _construction_error(self, torch_message: str) -> MCCLError:
+        """gloo's store wait timed out: name the ranks whose addresses never appeared."""
+        request = self.request
+        address = store_address(request)
+        keys = torch_message.partition("keys:")[2].split(",")
+        ranks = sorted(
+            {int(m.group(1)) for key in keys if (m := _GLOO_KEY_RANK.search(key.strip()))}
+        )
+        who = f"ranks {ranks}" if ranks else "some ranks"
+        return InitTimeoutError(
+            f"every rank arrived at the rendezvous store {address}, but {who} of "
+            f"{request.world_size} did not join gloo's connection set-up within "
+            f"{request.init_timeout_s:g} s (seen from rank {request.rank}); they exited or "
+            "stopped after arriving",
+            missing_ranks=ranks,
+            address=address,
+            timeout=request.init_timeout_s,
+        )
 
     def _create_queued_groups(self) -> None:
         # Every rank queues the same groups in the same order, so creating them here, in order,
@@ -216,6 +267,20 @@ class InitWorker:
             address=address,
             timeout=request.init_timeout_s,
         )
+
+
+def _is_gloo(backend: str) -> bool:
+    """Whether every device of ``backend`` (``gloo``, ``cpu:gloo``) is served by gloo."""
+    return all(part.split(":")[-1].strip().lower() == "gloo" for part in backend.split(","))
+
+
+def _set_group_timeout(timeout: datetime.timedelta) -> None:
+    """Give the default group its collective timeout (called on the initialising thread)."""
+    group = dist.distributed_c10d.GroupMember.WORLD
+    if hasattr(group, "set_timeout"):  # newer torch; older releases only have _set_pg_timeout
+        group.set_timeout(timeout)
+    else:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 @atexit.register

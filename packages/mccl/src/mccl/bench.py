@@ -9,7 +9,6 @@ the job cannot start before its last rank does.
 from __future__ import annotations
 
 import datetime
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from mccl import env
 from mccl.api import init_process_group as mccl_init_process_group
 from npu_core.bench import BenchTable
 from npu_core.dist import LOOPBACK, find_free_port, launch
@@ -53,6 +53,14 @@ class StartupBenchConfig:
             raise ValueError(f"device_init_ms must be >= 0, got {self.device_init_ms}")
 
 
+def _launcher_int(name: str) -> int:
+    """A variable ``npu_core.dist.launch`` sets for every rank of the benchmark."""
+    value = env.integer(name)
+    if value is None:
+        raise RuntimeError(f"{name} is not set: benchmark ranks run under npu_core's launcher")
+    return value
+
+
 def _simulate_device_init(kind: str, seconds: float) -> None:
     end = time.perf_counter() + seconds
     if kind == "sleep":
@@ -73,7 +81,7 @@ class _Control:
         self.rank, self.world_size = rank, world_size
         self.store = dist.TCPStore(
             LOOPBACK,
-            int(os.environ["MASTER_PORT"]),
+            _launcher_int(env.MASTER_PORT),
             world_size,
             is_master=rank == 0,
             timeout=datetime.timedelta(seconds=300),
@@ -115,9 +123,7 @@ def _one_round(
         if (rank == 0)
         else None
     )
-    os.environ.update(
-        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True"
-    )
+    env.set_rendezvous(LOOPBACK, port, agent_store=True)
     ctl.barrier(f"{key}/start")
     start = time.perf_counter()
     if mode == "mccl":
@@ -138,7 +144,7 @@ def _one_round(
 
 def _rank_main(cfg: StartupBenchConfig) -> dict[str, list[float] | float]:
     """One rank: calibrate, then alternate sync and mccl rounds; values are max over ranks."""
-    ctl = _Control(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    ctl = _Control(_launcher_int(env.RANK), _launcher_int(env.WORLD_SIZE))
     slowest: dict[str, list[float]] = {"init": [], "sync": [], "mccl": [], "mccl_init": []}
 
     def record(mode: str, key: str, device_s: float) -> None:

@@ -1,34 +1,36 @@
-"""mccl's settings from the environment (the only module that reads it) and argument checks."""
+"""Resolve ``init_process_group``'s arguments (falling back on :mod:`mccl.env`) and check them.
+
+Everything is resolved in the caller's thread, so a bad argument raises at the call instead of
+later, at first use, from the background thread.
+"""
 
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
-ASYNC_INIT = "MCCL_ASYNC_INIT"
-"""Set to 0 to make ``mccl.init_process_group`` the stock blocking path."""
-
-INIT_TIMEOUT = "MCCL_INIT_TIMEOUT"
-"""Seconds to wait for every rank to arrive before failing (default 300)."""
+from mccl import env
 
 DEFAULT_INIT_TIMEOUT_S = 300.0
 
 
 def async_init_enabled(requested: bool) -> bool:
     """The argument, unless ``MCCL_ASYNC_INIT`` turns asynchronous initialisation off."""
-    value = os.environ.get(ASYNC_INIT, "").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value not in ("", "1", "true", "yes", "on"):
-        raise ValueError(f"{ASYNC_INIT}={value!r} is not a boolean; use 0 or 1")
-    return requested
+    return requested and env.async_init() is not False
 
 
 def _seconds(value: float | datetime.timedelta, name: str) -> float:
-    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
-    if seconds <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+    """``value`` in seconds; refuses what is not a positive, finite number (``True`` included)."""
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValueError(
+            f"{name} must be seconds (a number) or a datetime.timedelta, got {value!r}"
+        )
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
     return seconds
 
 
@@ -59,16 +61,22 @@ def resolve_request(
     from npu_core.device import comm_backend
 
     init_method = init_method or "env://"
-    rank = _int_from(rank, "RANK", "rank")
-    world_size = _int_from(world_size, "WORLD_SIZE", "world_size")
+    rank = _int_from(rank, env.RANK, "rank")
+    world_size = _int_from(world_size, env.WORLD_SIZE, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if init_timeout is None:
-        init_timeout = float(os.environ.get(INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S))
-    init_timeout_s = _seconds(init_timeout, "init_timeout")
-    pg_timeout = datetime.timedelta(seconds=_seconds(timeout, "timeout")) if timeout else None
+        from_env = env.init_timeout()
+        init_timeout_s = DEFAULT_INIT_TIMEOUT_S
+        if from_env is not None:
+            init_timeout_s = _seconds(from_env, env.INIT_TIMEOUT)
+    else:
+        init_timeout_s = _seconds(init_timeout, "init_timeout")
+    pg_timeout = (
+        None if timeout is None else datetime.timedelta(seconds=_seconds(timeout, "timeout"))
+    )
     return InitRequest(
         backend=_check_backend(str(backend or comm_backend().value)),
         init_method=init_method,
@@ -103,13 +111,10 @@ def _check_backend(backend: str) -> str:
 def _int_from(value: int | None, variable: str, argument: str) -> int:
     if value is not None:
         return int(value)
-    raw = os.environ.get(variable)
-    if raw is None:
+    from_env = env.integer(variable)
+    if from_env is None:
         raise ValueError(
             f"{argument} was not given and {variable} is not set: pass {argument}=... "
             "or start the process with torchrun"
         )
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{variable}={raw!r} is not an integer") from None
+    return from_env
