@@ -1,21 +1,23 @@
-"""``liteboost generate``: text-to-video with Wan, boosted and optionally on several ranks."""
+"""``liteboost generate``: text-to-video with Wan, boosted and optionally on several ranks.
+
+The options are generated from :class:`liteboost.generate.GenerateOptions` (``npu_core.cli``),
+so ``--config FILE.toml`` and ``--set field=value`` reach every field. Every input is checked
+before a model is built (:mod:`liteboost.preflight`): a bad one is one line on stderr, exit 2.
+"""
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from liteboost.generate import GenerateOptions
+from npu_core.cli import config_options, fail
+
 app = typer.Typer(
     help="Inference boost for diffusers video models (Wan2.1 / Wan2.2).", no_args_is_help=True
 )
-
-
-class VideoFormat(StrEnum):
-    GIF = "gif"
-    MP4 = "mp4"
 
 
 @app.callback()
@@ -23,49 +25,36 @@ def _root() -> None:
     """Inference boost for diffusers video models (Wan2.1 / Wan2.2)."""
 
 
+def preflight(config: GenerateOptions, *, nproc: int, timeout: float, overwrite: bool) -> None:
+    """Refuse, before any work, every input that cannot work (see :mod:`liteboost.preflight`).
+
+    Raises:
+        liteboost.preflight.PreflightError: one line naming the option, value and rule.
+    """
+    from liteboost import preflight as checks
+    from npu_core.dist import is_torchrun
+
+    checks.check_numbers(
+        nproc=nproc, timeout=timeout, ulysses=config.ulysses, torchrun=is_torchrun()
+    )
+    facts = checks.model_facts(config.model)
+    checks.check_size(config.height, config.width, config.frames, facts)
+    checks.check_attention_backend(config.attention_backend, facts)
+    checks.check_out(Path(config.out), config.video_format, overwrite)
+
+
 @app.command()
+@config_options(GenerateOptions, flags={"video_format": "--format"})
 def generate(
-    prompt: Annotated[str, typer.Option(help="What the video shows.")] = "a red kite over hills",
-    negative_prompt: Annotated[
-        str, typer.Option(help="What classifier-free guidance avoids.")
-    ] = "",
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            exists=True,
-            file_okay=False,
-            help="A diffusers Wan folder on disk; default: a tiny random-weight Wan.",
-        ),
-    ] = None,
-    height: Annotated[int, typer.Option(min=16, help="Pixels, a multiple of 16.")] = 64,
-    width: Annotated[int, typer.Option(min=16, help="Pixels, a multiple of 16.")] = 64,
-    frames: Annotated[int, typer.Option(min=1, help="Frames; Wan wants 4k + 1.")] = 9,
-    steps: Annotated[int, typer.Option(min=1, help="Denoising steps.")] = 4,
-    guidance: Annotated[float, typer.Option(help="CFG scale (<= 1 disables CFG).")] = 5.0,
-    seed: Annotated[int, typer.Option(help="Seed; rank 0's is used on every rank.")] = 0,
-    nproc: Annotated[int, typer.Option(min=1, help="Local ranks (ignored under torchrun).")] = 1,
-    sparsity: Annotated[
-        float, typer.Option(min=0.0, max=0.99, help="Share of self-attention key blocks skipped.")
-    ] = 0.0,
-    block_size: Annotated[int, typer.Option(min=1, help="Tokens per sparse block.")] = 128,
-    ulysses: Annotated[
-        int | None, typer.Option(help="Ulysses degree: 1 = off; default = all ranks.")
-    ] = None,
-    vae_parallel: Annotated[
-        bool, typer.Option(help="Split VAE decode over time across ranks.")
-    ] = True,
-    attention_backend: Annotated[
-        str | None,
-        typer.Option(help="Dense attention: fa3, fa2, npu or sdpa; default: first usable."),
-    ] = None,
-    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("liteboost-out"),
-    video_format: Annotated[
-        VideoFormat, typer.Option("--format", help="gif or mp4.")
-    ] = VideoFormat.GIF,
-    max_sequence_length: Annotated[int, typer.Option(min=1, help="Prompt tokens.")] = 64,
+    config: GenerateOptions,
+    nproc: Annotated[int, typer.Option(help="Local ranks (ignored under torchrun).")] = 1,
     timeout: Annotated[
         float, typer.Option(help="Seconds before a multi-rank run is stopped.")
     ] = 1800.0,
+    overwrite: Annotated[
+        bool,
+        typer.Option(help="Replace the video and contact sheet of an earlier run in --out."),
+    ] = False,
 ) -> None:
     """Generate a video and write it (GIF/MP4) with a PNG contact sheet of every frame.
 
@@ -73,29 +62,15 @@ def generate(
     """
     from rich.console import Console
 
-    from liteboost.generate import GenerateOptions, generate_rank
+    from liteboost.generate import generate_rank
+    from liteboost.preflight import PreflightError
     from npu_core.dist import run
 
-    options = GenerateOptions(
-        prompt=prompt,
-        negative_prompt=negative_prompt,
-        model=str(model) if model is not None else None,
-        height=height,
-        width=width,
-        frames=frames,
-        steps=steps,
-        guidance=guidance,
-        seed=seed,
-        sparsity=sparsity,
-        block_size=block_size,
-        ulysses=ulysses,
-        vae_parallel=vae_parallel,
-        attention_backend=attention_backend,
-        out=str(out),
-        video_format=video_format.value,
-        max_sequence_length=max_sequence_length,
-    )
-    results = run(generate_rank, nproc, options, timeout=timeout)
+    try:
+        preflight(config, nproc=nproc, timeout=timeout, overwrite=overwrite)
+    except PreflightError as exc:
+        fail(str(exc))
+    results = run(generate_rank, nproc, config, timeout=timeout)
     written = next((r for r in results if r is not None), None)
     if written is not None:
         Console().print(

@@ -3,33 +3,53 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field, field_validator
+
+from liteboost.attention.backends import parse_backend
+from npu_core.config import StrictConfig
 
 
-@dataclass(frozen=True)
-class GenerateOptions:
-    """Everything one rank needs; picklable so the launcher can ship it to every rank."""
+class GenerateOptions(StrictConfig):
+    """Everything one rank needs; each field is a ``liteboost generate`` option (its help).
 
-    prompt: str
-    negative_prompt: str
-    model: str | None
-    height: int
-    width: int
-    frames: int
-    steps: int
-    guidance: float
-    seed: int
-    sparsity: float
-    block_size: int
-    ulysses: int | None
-    vae_parallel: bool
-    attention_backend: str | None
-    out: str
-    video_format: str
-    max_sequence_length: int
+    Picklable, so the launcher ships it to every rank. Ranges are checked here; what needs the
+    model's configs or the file system is checked by :mod:`liteboost.preflight`.
+    """
+
+    prompt: str = Field("a red kite over hills", description="What the video shows.")
+    negative_prompt: str = Field("", description="What classifier-free guidance avoids.")
+    model: str | None = Field(
+        None, description="A diffusers Wan folder on disk; default: a tiny random-weight Wan."
+    )
+    height: int = Field(64, ge=16, description="Pixels, a multiple of 16 (of the patch grid).")
+    width: int = Field(64, ge=16, description="Pixels, a multiple of 16 (of the patch grid).")
+    frames: int = Field(9, ge=1, description="Frames; Wan wants 4k + 1.")
+    steps: int = Field(4, ge=1, description="Denoising steps.")
+    guidance: float = Field(5.0, allow_inf_nan=False, description="CFG scale (<= 1 disables CFG).")
+    seed: int = Field(0, description="Seed; rank 0's is used on every rank.")
+    sparsity: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Share of self-attention key blocks skipped."
+    )
+    block_size: int = Field(128, ge=1, description="Tokens per sparse block.")
+    ulysses: int | None = Field(
+        None, ge=1, description="Ulysses degree: 1 = off; default = all ranks."
+    )
+    vae_parallel: bool = Field(True, description="Split VAE decode over time across ranks.")
+    attention_backend: str | None = Field(
+        None, description="Dense attention: fa3, fa2, npu or sdpa; default: first usable."
+    )
+    out: str = Field("liteboost-out", description="Output folder.")
+    video_format: Literal["gif", "mp4"] = Field("gif", description="gif or mp4.")
+    max_sequence_length: int = Field(64, ge=1, description="Prompt tokens.")
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_backend(cls, value: str | None) -> str | None:
+        return None if value is None else parse_backend(value).value
 
 
 def _load_pipeline(model: str | None):
@@ -101,5 +121,5 @@ def generate_rank(options: GenerateOptions) -> dict | None:
         "contact_sheet": os.fspath(sheet),
         "frames": int(frames.shape[0]),
         "parallel": parallel.parallelized,
-        "options": asdict(options),
+        "options": options.model_dump(),
     }

@@ -1,0 +1,229 @@
+"""Checks of ``liteboost generate``'s inputs that run before any model is built or rank starts.
+
+Every input that can be judged from the options, the model folder's config files and this
+process's installed packages is judged here, so that a bad one costs a second and one line
+instead of a model load, a whole render and a traceback from every rank. Each failure is a
+:class:`PreflightError` whose message names the option, the value and what is allowed. What can
+only be known inside the ranks (a model's weights, a torchrun world size) stays with them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from liteboost.attention.backends import AttentionCall, forced_backend, select_backend
+from liteboost.tiny import TINY_TRANSFORMER, TINY_VAE
+
+# WanPipeline.check_inputs refuses heights and widths that are not multiples of 16.
+_PIPELINE_MULTIPLE = 16
+
+
+class PreflightError(ValueError):
+    """A ``liteboost generate`` input that cannot work; the message is one line."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"Invalid value for '{option}': {message}")
+        self.option = option
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checks need from a model's configs, read without loading any weights.
+
+    Attributes:
+        patch_size: the transformer's (frames, height, width) patch.
+        head_dim: the transformer's attention head dim.
+        scale_spatial: the VAE's pixel-to-latent factor along height and width.
+        scale_temporal: the VAE's frame-to-latent factor (Wan wants ``frames = k * t + 1``).
+        dtype: the dtype the pipeline loads in (``from_pretrained`` default: fp32).
+        device: the device ``liteboost generate`` runs the pipeline on.
+    """
+
+    patch_size: tuple[int, int, int]
+    head_dim: int
+    scale_spatial: int
+    scale_temporal: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    @property
+    def pixel_multiple(self) -> int:
+        """Height and width must be multiples of this: the pipeline's 16 and whole patches."""
+        return math.lcm(_PIPELINE_MULTIPLE, self.scale_spatial * self.patch_size[1])
+
+
+def _vae_scales(vae: dict) -> tuple[int, int]:
+    # AutoencoderKLWan records its factors (diffusers >= 0.35); older configs imply them from
+    # the number of (temporal) downsampling stages, as the pipeline did.
+    downsample = vae.get("temperal_downsample", [False, True, True])
+    spatial = vae.get("scale_factor_spatial", 2 ** len(downsample))
+    temporal = vae.get("scale_factor_temporal", 2 ** sum(bool(x) for x in downsample))
+    return int(spatial), int(temporal)
+
+
+def tiny_model_facts() -> ModelFacts:
+    """Facts of the built-in tiny random-weight Wan."""
+    spatial, temporal = _vae_scales(TINY_VAE)
+    return ModelFacts(
+        patch_size=tuple(TINY_TRANSFORMER["patch_size"]),
+        head_dim=int(TINY_TRANSFORMER["attention_head_dim"]),
+        scale_spatial=spatial,
+        scale_temporal=temporal,
+    )
+
+
+def _read_json(path: Path, option: str, folder: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PreflightError(
+            option,
+            f"{folder} has no {path.relative_to(folder)}; expected a diffusers WanPipeline folder "
+            "(as written by save_pretrained)",
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PreflightError(option, f"{path} is not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise PreflightError(option, f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def model_facts(model: str | None) -> ModelFacts:
+    """Facts of ``--model`` (a diffusers Wan folder) from its JSON configs, or of the tiny Wan.
+
+    Raises:
+        PreflightError: the folder is missing, is not a WanPipeline folder, or a config lacks a
+            field the pipeline needs.
+    """
+    if model is None:
+        return tiny_model_facts()
+    folder = Path(model)
+    if not folder.is_dir():
+        what = "a file" if folder.exists() else "no such folder"
+        raise PreflightError(
+            "--model", f"{model} is {what}; expected a diffusers Wan folder on disk"
+        )
+    index = _read_json(folder / "model_index.json", "--model", folder)
+    if index.get("_class_name") != "WanPipeline":
+        raise PreflightError(
+            "--model",
+            f"{folder} holds a {index.get('_class_name')!r}; liteboost generate runs WanPipeline "
+            "(text-to-video) folders",
+        )
+    transformer = _read_json(folder / "transformer" / "config.json", "--model", folder)
+    vae = _read_json(folder / "vae" / "config.json", "--model", folder)
+    try:
+        patch = tuple(int(x) for x in transformer["patch_size"])
+        head_dim = int(transformer["attention_head_dim"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PreflightError(
+            "--model", f"{folder}/transformer/config.json lacks a usable {exc}"
+        ) from None
+    spatial, temporal = _vae_scales(vae)
+    return ModelFacts(patch, head_dim, spatial, temporal)
+
+
+def check_size(height: int, width: int, frames: int, facts: ModelFacts) -> None:
+    """Height and width whole multiples of the latent patch grid, frames ``k * t + 1``.
+
+    The pipeline refuses other sizes only after the model is loaded (height, width) or rounds
+    the frame count silently with a log warning (frames); both are refused here instead.
+    """
+    multiple = facts.pixel_multiple
+    for option, value in (("--height", height), ("--width", width)):
+        if value < multiple or value % multiple:
+            lower = max(multiple, value // multiple * multiple)
+            raise PreflightError(
+                option,
+                f"{value} is not a multiple of {multiple} (VAE {facts.scale_spatial}x spatial "
+                f"compression x patch {facts.patch_size[1]}, pipeline needs 16); use {lower} or "
+                f"{lower + multiple}",
+            )
+    t = facts.scale_temporal
+    if frames < 1 or (frames - 1) % t:
+        lower = max(1, (frames - 1) // t * t + 1)
+        raise PreflightError(
+            "--frames",
+            f"{frames} is not {t}k + 1 (the VAE compresses {t} frames into one latent frame "
+            f"after the first); use {lower} or {lower + t}",
+        )
+
+
+def check_attention_backend(name: str | None, facts: ModelFacts) -> None:
+    """A forced dense backend (option or ``LITEBOOST_ATTENTION_BACKEND``) that can run here.
+
+    Uses the backends' declared constraints on the call generate will make (device, dtype, head
+    dim), so ``fa3`` on a CPU run is refused now rather than at the first attention call.
+    """
+    try:
+        forced = forced_backend(name)
+        if forced is None:
+            return
+        call = AttentionCall(facts.device, facts.dtype, facts.head_dim, facts.head_dim)
+        select_backend(call, forced)
+    except (ValueError, RuntimeError) as exc:
+        option = "--attention-backend" if name is not None else "LITEBOOST_ATTENTION_BACKEND"
+        raise PreflightError(option, f"{exc} (generate runs on {facts.device})") from None
+
+
+def output_paths(out: Path, video_format: str) -> list[Path]:
+    """The files ``liteboost generate`` writes into ``out``."""
+    return [out / f"video.{video_format}", out / "contact_sheet.png"]
+
+
+def check_out(out: Path, video_format: str, overwrite: bool) -> None:
+    """``--out`` is a folder (or can become one) this process can write into.
+
+    Outputs of an earlier run are refused unless ``overwrite``: they are then replaced
+    atomically when the new ones are complete. Writability is probed with a temporary file in
+    the nearest existing folder, which is removed again: nothing is left behind.
+    """
+    if out.exists() and not out.is_dir():
+        raise PreflightError("--out", f"{out} is a file; expected a folder for the outputs")
+    existing = [p.name for p in output_paths(out, video_format) if p.exists()]
+    if existing and not overwrite:
+        raise PreflightError(
+            "--out",
+            f"{out} already holds {' and '.join(existing)} from an earlier run; pass --overwrite "
+            "to replace them or choose another folder",
+        )
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PreflightError("--out", f"{out} cannot be created: {parent} is a file")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".liteboost-probe-")
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise PreflightError(
+            "--out", f"{out} is not writable (creating a file in {parent} failed: {reason})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_numbers(*, nproc: int, timeout: float, ulysses: int | None, torchrun: bool) -> None:
+    """The launcher's options and the Ulysses degree against the rank count.
+
+    The other numeric options are ranges of :class:`liteboost.generate.GenerateOptions` fields,
+    checked when the options are built.
+    """
+    if nproc < 1:
+        raise PreflightError("--nproc", f"{nproc}; expected an integer >= 1")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise PreflightError("--timeout", f"{timeout}; expected a finite number of seconds > 0")
+    # Under torchrun the world size is known only inside the ranks (ParallelManager checks).
+    if ulysses is not None and not torchrun and ulysses not in (1, nproc):
+        raise PreflightError(
+            "--ulysses",
+            f"{ulysses} with --nproc {nproc}; expected 1 (off) or {nproc} (all ranks share each "
+            "sequence)",
+        )

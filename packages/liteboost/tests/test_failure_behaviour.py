@@ -1,0 +1,263 @@
+"""Bad inputs are refused before any work: exit 2, one line naming the input, nothing written.
+
+``liteboost generate`` is driven through its typer app with the launcher replaced by a spy, so
+each case also proves that no rank was started (and no model built). ``sparse_attention`` is
+checked at sparsity 0 (the dense route) and 0.5 (the sparse route): the same input must be
+refused the same way on both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import npu_core.dist
+from liteboost.cli import app
+from liteboost.ops import sparse_attention
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[tuple]:
+    """Replaces the launcher: records each call instead of starting ranks."""
+    calls: list[tuple] = []
+
+    def fake_run(fn, nproc, *args, **kwargs):
+        calls.append((fn, nproc, args))
+        return [None]
+
+    monkeypatch.setattr(npu_core.dist, "run", fake_run)
+    monkeypatch.delenv("LITEBOOST_ATTENTION_BACKEND", raising=False)
+    return calls
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _wan_folder(root: Path, *, cls="WanPipeline", vae: dict | None = None) -> Path:
+    """A model folder holding only the JSON configs preflight reads (no weights)."""
+    root.mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+    (root / "transformer").mkdir()
+    (root / "transformer" / "config.json").write_text(
+        json.dumps({"patch_size": [1, 2, 2], "attention_head_dim": 128})
+    )
+    (root / "vae").mkdir()
+    (root / "vae" / "config.json").write_text(json.dumps(vae or {}))
+    return root
+
+
+def _refused(launches, tmp_path, args, match, *, env=None):
+    """Run ``generate`` with ``args``; assert exit 2, one stderr line matching, nothing done."""
+    before = _tree(tmp_path)
+    result = CliRunner().invoke(app, ["generate", *args], env=env)
+    assert result.exit_code == 2, result.output + repr(result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert match in lines[0], lines[0]
+    assert launches == [], "no rank may start for a refused input"
+    assert _tree(tmp_path) == before, "a refused run must write nothing"
+    return lines[0]
+
+
+BAD_OPTIONS = [
+    (["--height", "60"], "'--height': 60 is not a multiple of 16"),
+    (["--width", "72"], "'--width': 72 is not a multiple of 16"),
+    (["--height", "8"], "height: Input should be greater than or equal to 16"),
+    (["--frames", "8"], "'--frames': 8 is not 4k + 1"),
+    (["--attention-backend", "bogus"], "attention_backend='bogus' is not a backend"),
+    (["--timeout", "-1"], "'--timeout': -1.0"),
+    (["--timeout", "inf"], "'--timeout': inf"),
+    (["--ulysses", "3", "--nproc", "2"], "'--ulysses': 3 with --nproc 2"),
+    (["--ulysses", "0"], "ulysses: Input should be greater than or equal to 1"),
+    (["--nproc", "0"], "'--nproc': 0"),
+    (["--sparsity", "1.0"], "sparsity: Input should be less than 1"),
+    (["--sparsity", "-0.1"], "sparsity: Input should be greater than or equal to 0"),
+    (["--guidance", "nan"], "guidance: Input should be a finite number"),
+    (["--steps", "0"], "steps: Input should be greater than or equal to 1"),
+    (["--block-size", "0"], "block_size: Input should be greater than or equal to 1"),
+    (["--max-sequence-length", "0"], "max_sequence_length: Input should be greater than"),
+    (["--format", "webm"], "video_format: Input should be 'gif' or 'mp4'"),
+    (["--set", "bogus=1"], "bogus: Extra inputs are not permitted"),
+    (["--set", "steps=true"], "steps: a boolean is not a number"),
+]
+
+
+@pytest.mark.parametrize(("args", "match"), BAD_OPTIONS, ids=lambda x: " ".join(x)[:40])
+def test_bad_option_is_refused_before_any_rank(launches, tmp_path, args, match):
+    _refused(launches, tmp_path, [*args, "--out", str(tmp_path / "out")], match)
+
+
+def test_fa3_on_this_cpu_run_is_refused_by_its_declared_constraints(launches, tmp_path):
+    """fa3 is either not importable here or refuses device 'cpu': both before rendering."""
+    line = _refused(
+        launches, tmp_path, ["--attention-backend", "fa3", "--out", str(tmp_path / "o")], "'fa3'"
+    )
+    assert "generate runs on cpu" in line
+
+
+def test_bad_backend_in_the_environment_is_refused(launches, tmp_path):
+    _refused(
+        launches,
+        tmp_path,
+        ["--out", str(tmp_path / "o")],
+        "LITEBOOST_ATTENTION_BACKEND='bogus'",
+        env={"LITEBOOST_ATTENTION_BACKEND": "bogus"},
+    )
+
+
+def test_config_file_missing_or_with_unknown_key(launches, tmp_path):
+    _refused(launches, tmp_path, ["--config", str(tmp_path / "none.toml")], "no such file")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("stepz = 3\n")
+    _refused(launches, tmp_path, ["--config", str(bad)], "stepz: Extra inputs")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (Linux)")
+def test_unwritable_out_is_refused(launches, tmp_path):
+    """/proc refuses new files even to root (a chmod'ed folder would not stop root)."""
+    _refused(launches, tmp_path, ["--out", "/proc/liteboost-x"], "is not writable")
+
+
+def test_out_that_is_a_file_or_under_a_file(launches, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("keep me")
+    _refused(launches, tmp_path, ["--out", str(file)], "is a file; expected a folder")
+    _refused(launches, tmp_path, ["--out", str(file / "sub")], "cannot be created")
+
+
+@pytest.mark.parametrize("video_format", ["gif", "mp4"])
+def test_earlier_outputs_are_kept_unless_overwrite(launches, tmp_path, video_format):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / f"video.{video_format}").write_bytes(b"earlier video")
+    args = ["--out", str(out), "--format", video_format]
+    _refused(launches, tmp_path, args, "pass --overwrite")
+    result = CliRunner().invoke(app, ["generate", *args, "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert len(launches) == 1, "--overwrite lets the run start"
+    assert (out / f"video.{video_format}").read_bytes() == b"earlier video", (
+        "replaced only at the end"
+    )
+
+
+def test_model_folder_faults(launches, tmp_path):
+    _refused(launches, tmp_path, ["--model", str(tmp_path / "nope")], "no such folder")
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(bytes(range(256)))
+    _refused(launches, tmp_path, ["--model", str(blob)], "is a file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _refused(launches, tmp_path, ["--model", str(empty)], "has no model_index.json")
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "model_index.json").write_bytes(b"\x00\xff\xfe" * 10)
+    _refused(launches, tmp_path, ["--model", str(binary)], "is not readable JSON")
+    i2v = _wan_folder(tmp_path / "i2v", cls="WanImageToVideoPipeline")
+    _refused(launches, tmp_path, ["--model", str(i2v)], "'WanImageToVideoPipeline'")
+    no_vae = _wan_folder(tmp_path / "novae")
+    (no_vae / "vae" / "config.json").unlink()
+    _refused(launches, tmp_path, ["--model", str(no_vae)], "has no vae/config.json")
+
+
+def test_model_configs_decide_the_size_rule(launches, tmp_path):
+    """A 16x VAE (Wan2.2 TI2V 5B) with 2x2 patches needs multiples of 32: 48 is refused, 64 runs."""
+    model = _wan_folder(tmp_path / "ti2v", vae={"scale_factor_spatial": 16})
+    base = ["--model", str(model), "--out", str(tmp_path / "o")]
+    _refused(
+        launches, tmp_path, [*base, "--height", "48"], "'--height': 48 is not a multiple of 32"
+    )
+    result = CliRunner().invoke(app, ["generate", *base, "--height", "64", "--width", "96"])
+    assert result.exit_code == 0, result.output
+    config = launches[0][2][0]
+    assert (config.height, config.width, config.model) == (64, 96, str(model))
+
+
+def test_tiny_size_rule_matches_the_built_models():
+    """The rule for the built-in model, against the factors the built VAE reports (WanPipeline
+    reads ``vae.config.scale_factor_*``) and the built transformer's patch."""
+    from liteboost.preflight import tiny_model_facts
+    from liteboost.tiny import build_tiny_transformer, build_tiny_vae
+
+    vae, transformer = build_tiny_vae().config, build_tiny_transformer().config
+    facts = tiny_model_facts()
+    assert facts.pixel_multiple == max(16, vae.scale_factor_spatial * transformer.patch_size[1])
+    assert facts.scale_temporal == vae.scale_factor_temporal
+    assert facts.head_dim == transformer.attention_head_dim
+
+
+# sparse_attention: the same refusal at every sparsity.
+Q = (1, 2, 48, 12)  # BNSD, latent grid (3, 4, 4)
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+SPARSE_FAULTS = {
+    "k tokens": (
+        lambda: (_t(*Q), _t(1, 2, 40, 12), _t(1, 2, 40, 12)),
+        {},
+        r"k has shape \(1, 2, 40, 12\) \(tokens 40\)",
+    ),
+    "latent_shape": (
+        lambda: (_t(*Q),) * 3,
+        {"latent_shape": (3, 4, 5)},
+        r"latent_shape=\(3, 4, 5\).*60 tokens.*48 tokens",
+    ),
+    "latent_shape rank": (
+        lambda: (_t(*Q),) * 3,
+        {"latent_shape": (48,)},
+        r"latent_shape=\(48,\); expected three positive ints",
+    ),
+    "text_len": (lambda: (_t(*Q),) * 3, {"text_len": -1}, r"text_len=-1"),
+    "3-D q": (
+        lambda: (_t(2, 48, 12),) * 3,
+        {},
+        r"q has shape \(2, 48, 12\) \(3 dims\); expected 4 dims",
+    ),
+    "k head dim": (
+        lambda: (_t(*Q), _t(1, 2, 48, 8), _t(*Q)),
+        {},
+        r"k has shape \(1, 2, 48, 8\) \(head dim 8\)",
+    ),
+    "v heads": (
+        lambda: (_t(*Q), _t(*Q), _t(1, 3, 48, 12)),
+        {},
+        r"v has shape \(1, 3, 48, 12\) \(heads 3\)",
+    ),
+    "int inputs": (
+        lambda: (_t(*Q, dtype=torch.int64),) * 3,
+        {},
+        r"q has dtype int64; expected a floating",
+    ),
+    "mixed dtypes": (
+        lambda: (_t(*Q), _t(*Q).half(), _t(*Q)),
+        {},
+        r"k has dtype float16 but q has float32",
+    ),
+    "scale": (lambda: (_t(*Q),) * 3, {"scale": -1.0}, r"scale=-1.0"),
+    "layout": (lambda: (_t(*Q),) * 3, {"layout": "SBND"}, r"layout='SBND'"),
+}
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5])
+@pytest.mark.parametrize("case", list(SPARSE_FAULTS))
+def test_sparse_attention_refuses_the_same_way_at_every_sparsity(case, sparsity):
+    make, kwargs, match = SPARSE_FAULTS[case]
+    args = {"latent_shape": (3, 4, 4), "sparsity": sparsity, "block_size": 16, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        sparse_attention(*make(), **args)
+
+
+def test_sparse_attention_refuses_non_tensors():
+    with pytest.raises(TypeError, match=r"k is a list; expected a torch\.Tensor"):
+        sparse_attention(_t(*Q), [0.0], _t(*Q), latent_shape=(3, 4, 4), sparsity=0.0)
