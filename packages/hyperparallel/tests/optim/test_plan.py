@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hyperparallel.optim.plan import MatrixSpec, build_plan, shard_rows
+from hyperparallel.optim.plan import MatrixSpec, build_plan, shard_rows, spread_over_replicas
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,23 @@ def test_build_plan_rejects_bad_sizes(kwargs):
     """Sizes below one are refused with the argument named."""
     with pytest.raises(ValueError, match="must be"):
         build_plan(_specs([(4, 4)]), **kwargs)
+
+
+def test_spread_over_replicas_balances_with_the_dense_load():
+    """Local experts go to the least-loaded replica, counting the dense work it already has."""
+    assert spread_over_replicas([4, 4, 4, 4], 2) == (0, 1, 0, 1)
+    # Replica 0 already carries 8: the first two experts go to replica 1.
+    assert spread_over_replicas([4, 4, 4, 4], 2, start_load=[8, 0]) == (1, 1, 0, 1)
+    # Largest first: 9 -> 0, 5 -> 1, 3 -> 2, then the ones to the least loaded (2, 2, 1).
+    assert spread_over_replicas([9, 1, 1, 1, 5, 3], 3) == (0, 2, 2, 1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"replicate_size": 0}, "replicate_size"), ({"start_load": [1]}, "one per replica")],
+)
+def test_spread_over_replicas_rejects_bad_sizes(kwargs, match):
+    """Bad replica counts and a start load of the wrong length are refused by name."""
+    args = {"costs": [1, 2], "replicate_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        spread_over_replicas(**args)

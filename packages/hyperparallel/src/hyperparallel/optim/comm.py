@@ -3,10 +3,12 @@
 One ``all_to_all_single`` per batch and direction carries every matrix of the batch (not one
 collective per parameter); row counts come from the plan, so uneven and empty shards need no
 padding. With HSDP one ``all_reduce`` over the replicate group shares each replica group's results.
+Every collective can be started and finished apart, so the caller overlaps it with NS.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +95,8 @@ class BatchExchange:
                 offset += numel
         return [torch.cat(pieces[i]).view(self.shapes[i]) for i in self.owned]
 
-    def scatter(self, results: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Send each rank its rows of the owned results; return this rank's rows of every
-        matrix in the batch (all replicas' matrices under HSDP)."""
+    def start_scatter(self, results: list[torch.Tensor]) -> None:
+        """Send each rank its rows of the owned results (asynchronously)."""
         layout = self.layout
         send, in_splits = [], []
         for dest in range(layout.shard_size):
@@ -105,19 +106,36 @@ class BatchExchange:
                 pieces.append(full[start : start + self._splits[index][dest]].reshape(-1))
             in_splits.append(sum(p.numel() for p in pieces))
             send.extend(pieces)
-        out_splits = [
+        self._out_splits = [
             sum(self._piece_numel(a.index, layout.shard_rank) for a in self.mine if a.owner == src)
             for src in range(layout.shard_size)
         ]
-        dtype = results[0].dtype if results else torch.float32
-        received = torch.empty(sum(out_splits), dtype=dtype, device=layout.device)
-        dist.all_to_all_single(
-            received,
-            torch.cat(send) if send else torch.empty(0, dtype=dtype, device=layout.device),
-            output_split_sizes=out_splits,
+        self._dtype = results[0].dtype if results else torch.float32
+        self._scattered = torch.empty(
+            sum(self._out_splits), dtype=self._dtype, device=layout.device
+        )
+        self._scatter_work = dist.all_to_all_single(
+            self._scattered,
+            torch.cat(send) if send else torch.empty(0, dtype=self._dtype, device=layout.device),
+            output_split_sizes=self._out_splits,
             input_split_sizes=in_splits,
             group=layout.shard_group,
+            async_op=True,
         )
+        self._share: ReplicaShare | None = None
+        self._mine: dict[int, torch.Tensor] | None = None
+
+    @property
+    def shares_across_replicas(self) -> bool:
+        """Whether finishing needs a second collective (HSDP's replica all-reduce)."""
+        return self.layout.replicate_group is not None
+
+    def finish_scatter(self) -> None:
+        """Wait for the scatter; under HSDP start the replica all-reduce. Idempotent."""
+        if self._mine is not None:
+            return
+        self._scatter_work.wait()
+        layout = self.layout
         mine = {}
         offset = 0
         for src in range(layout.shard_size):
@@ -126,29 +144,68 @@ class BatchExchange:
                     numel = self._piece_numel(a.index, layout.shard_rank)
                     rows = self._splits[a.index][layout.shard_rank]
                     cols = self.shapes[a.index][1]
-                    mine[a.index] = received[offset : offset + numel].view(rows, cols)
+                    mine[a.index] = self._scattered[offset : offset + numel].view(rows, cols)
                     offset += numel
-        if layout.replicate_group is None:
-            return mine
-        return self._share_across_replicas(mine, dtype)
+        self._mine = mine
+        if layout.replicate_group is not None:
+            # Every replica holds the same shard rows, so one sum over the replicate group,
+            # where each matrix is non-zero in exactly one replica, hands everyone all results.
+            indices = sorted(a.index for a in self.batch)
+            rows = {i: self._splits[i][layout.shard_rank] for i in indices}
+            shapes = {i: (rows[i], self.shapes[i][1]) for i in indices}
+            self._share = ReplicaShare(
+                mine, shapes, self._dtype, layout.replicate_group, layout.device
+            )
 
-    def _share_across_replicas(
-        self, mine: dict[int, torch.Tensor], dtype: torch.dtype
-    ) -> dict[int, torch.Tensor]:
-        # Every replica holds the same shard rows, so one sum over the replicate group, where
-        # each matrix is non-zero in exactly one replica, hands everyone all results.
-        indices = sorted(a.index for a in self.batch)
-        numels = [self._piece_numel(i, self.layout.shard_rank) for i in indices]
-        flat = torch.zeros(sum(numels), dtype=dtype, device=self.layout.device)
+    def finish(self) -> dict[int, torch.Tensor]:
+        """This rank's rows of every matrix in the batch (all replicas' matrices under HSDP)."""
+        self.finish_scatter()
+        assert self._mine is not None
+        return self._mine if self._share is None else self._share.wait()
+
+    def scatter(self, results: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """:meth:`start_scatter` and :meth:`finish` back to back (no overlap)."""
+        self.start_scatter(results)
+        return self.finish()
+
+
+class ReplicaShare:
+    """One asynchronous sum over a replicate group of a flat buffer where each matrix is
+    non-zero on exactly one replica: afterwards every replica holds every result exactly (adding
+    zeros is exact).
+
+    Args:
+        mine: this replica's results, by index (a subset of ``shapes``).
+        shapes: every shared matrix's local shape, by index; the buffer follows sorted indices.
+        dtype: the results' dtype.
+        group: the replicate group.
+        device: where the buffer lives.
+    """
+
+    def __init__(
+        self,
+        mine: dict,
+        shapes: dict,
+        dtype: torch.dtype,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.shapes = dict(sorted(shapes.items()))
+        numels = [math.prod(s) for s in self.shapes.values()]
+        self.flat = torch.zeros(sum(numels), dtype=dtype, device=device)
         offset = 0
-        for index, numel in zip(indices, numels, strict=True):
+        for index, numel in zip(self.shapes, numels, strict=True):
             if index in mine:
-                flat[offset : offset + numel] = mine[index].reshape(-1)
+                self.flat[offset : offset + numel] = mine[index].reshape(-1)
             offset += numel
-        dist.all_reduce(flat, group=self.layout.replicate_group)
+        self._work = dist.all_reduce(self.flat, group=group, async_op=True)
+
+    def wait(self) -> dict:
+        """Every shared matrix, by index (views into one buffer)."""
+        self._work.wait()
         out, offset = {}, 0
-        for index, numel in zip(indices, numels, strict=True):
-            rows = self._splits[index][self.layout.shard_rank]
-            out[index] = flat[offset : offset + numel].view(rows, self.shapes[index][1])
+        for index, shape in self.shapes.items():
+            numel = math.prod(shape)
+            out[index] = self.flat[offset : offset + numel].view(shape)
             offset += numel
         return out

@@ -1,96 +1,150 @@
-"""Newton-Schulz for FSDP2 / HSDP DTensor updates: each matrix orthogonalised once in the job.
+"""Newton-Schulz for DTensor updates on any mesh: each matrix orthogonalised once in the job.
 
-Plugged into :class:`hyperparallel.optim.Muon` when its parameters are DTensors. Matrices whose
-sharded dimension lies outside their last two dims (MoE experts ``[E, M, N]`` sharded on E) are
-already whole on every rank and are orthogonalised locally, batched, with no communication. The
-others follow the cached :mod:`plan`: packed gather to the owner, NS, packed scatter back, and
-under HSDP one sum over the replicate group. Batch k + 1's gather overlaps batch k's NS.
+Plugged into :class:`hyperparallel.optim.Muon` when its parameters are DTensors. Each update's
+placements are read per mesh dimension:
+
+- ``Shard(0)`` of a 2-D (or conv) update shards its rows: the cached :mod:`plan` gives each
+  matrix one owner, which gathers it (packed ``all_to_all_single``), runs NS and scatters the
+  rows back. At most one such dimension (the FSDP dimension).
+- ``Shard(0)`` of an ``[E, M, N]`` update (experts over ``ep`` and/or ``dp_shard``) shards whole
+  matrices: the local experts are orthogonalised where they are, with no communication.
+- ``Replicate()`` (HSDP's ``dp_replicate``, or ``ep`` for dense weights) means every rank along
+  that dimension holds the same data: the matrices are spread over it (dense ones by the plan,
+  local experts by :func:`~hyperparallel.optim.plan.spread_over_replicas`) and one sum over the
+  replicate group shares the results. At most one such dimension.
+
+Communication overlaps NS: batch k + 1's gather, and batch k - 1's scatter and replica sum, run
+while batch k is orthogonalised; the experts' replica sum runs during the dense batches.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hyperparallel.optim.comm import BatchExchange, ShardLayout
-from hyperparallel.optim.plan import MatrixSpec, MuonPlan, build_plan
+from hyperparallel.optim.comm import BatchExchange, ReplicaShare, ShardLayout
+from hyperparallel.optim.plan import MatrixSpec, MuonPlan, build_plan, spread_over_replicas
 
 LocalOrthogonalize = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
-def _layout(update: DTensor, name: str) -> ShardLayout:
+@dataclass(frozen=True)
+class _ExpertLayout:
+    """An ``[E, M, N]`` update whose local experts are whole matrices; ``replicate_group`` is
+    the mesh dimension (if any) along which every rank holds the same experts."""
+
+    replicate_group: dist.ProcessGroup | None
+    replica: int
+    replicas: int
+    device: torch.device
+
+
+def _classify(update: DTensor, name: str) -> ShardLayout | _ExpertLayout:
+    """Read ``update``'s placements per mesh dimension (see the module docstring).
+
+    Raises:
+        ValueError: naming the parameter, its mesh dims and placements, and what is supported.
+    """
     mesh, placements = update.device_mesh, tuple(update.placements)
-    if mesh.ndim == 1 and placements == (Shard(0),):
-        return ShardLayout(
-            mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0), None, 0, _device(update)
+    dims = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    shard = [d for d, p in enumerate(placements) if p == Shard(0)]
+    replicate = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    other = [d for d in range(mesh.ndim) if d not in shard and d not in replicate]
+    device = update.to_local().device
+    experts = update.ndim == 3
+    problem = None
+    if other:
+        problem = f"mesh dim {dims[other[0]]!r} has {placements[other[0]]}"
+    elif len(replicate) > 1:
+        problem = f"it is replicated over {len(replicate)} mesh dims"
+    elif not experts and len(shard) != 1:
+        problem = f"its rows are sharded over {len(shard)} mesh dims"
+    if problem is not None:
+        raise ValueError(
+            f"parameter {name}: placements {placements} on mesh dims {dims} are not supported "
+            f"({problem}). Muon takes Shard(0) on the rows of a matrix over one mesh dim (FSDP), "
+            "Shard(0) on E of [E, M, N] experts over any dims (EP, FSDP), and Replicate() over "
+            "at most one dim (HSDP replicas, or ep for dense weights)"
         )
-    if mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
-        return ShardLayout(
-            mesh.get_group(1),
-            mesh.get_local_rank(1),
-            mesh.size(1),
-            mesh.get_group(0),
-            mesh.get_local_rank(0),
-            _device(update),
-        )
-    raise ValueError(
-        f"parameter {name}: placements {placements} on a {mesh.ndim}-D mesh are not supported; "
-        "use fully_shard's Shard(0) (FSDP2) or (Replicate(), Shard(0)) (HSDP)"
+    rep = replicate[0] if replicate else None
+    group = mesh.get_group(rep) if rep is not None else None
+    replica = mesh.get_local_rank(rep) if rep is not None else 0
+    if experts:
+        return _ExpertLayout(group, replica, mesh.size(rep) if rep is not None else 1, device)
+    (s,) = shard
+    return ShardLayout(
+        mesh.get_group(s), mesh.get_local_rank(s), mesh.size(s), group, replica, device
     )
 
 
-def _device(update: DTensor) -> torch.device:
-    return update.to_local().device
-
-
 class ShardedNewtonSchulz:
-    """Orthogonalises a step's DTensor updates; the plan is built once per parameter layout.
+    """Orthogonalises a step's DTensor updates; plans are built once per parameter layout.
 
     Args:
         local_orthogonalize: NS on a list of whole matrices (2-D, or 3-D batches), returning
             them in order; the single-process kernel with its batching and memory cap.
         batch_bytes: most bytes of whole matrices an owner receives per communication batch.
+        overlap: start each scatter and replica sum and finish it after the next batch's NS
+            (True), or wait for it at once (False, the behaviour before 0.3.0, kept for the
+            benchmark's comparison). The next batch's gather overlaps either way.
+
+    Attributes:
+        ns_matrices: whole matrices this rank has orthogonalised so far (an expert tensor
+            counts its experts); summed over ranks it counts each matrix once per step.
     """
 
-    def __init__(self, local_orthogonalize: LocalOrthogonalize, batch_bytes: int | None = None):
+    def __init__(
+        self,
+        local_orthogonalize: LocalOrthogonalize,
+        batch_bytes: int | None = None,
+        overlap: bool = True,
+    ):
         self.local_orthogonalize = local_orthogonalize
         self.batch_bytes = batch_bytes
+        self.overlap = overlap
+        self.ns_matrices = 0
         self._plans: dict[tuple, MuonPlan] = {}
+        self._spreads: dict[tuple, tuple[int, ...]] = {}
 
     def __call__(self, updates: list[DTensor], params: list[DTensor]) -> list[DTensor]:
         """Return the orthogonalised updates, each sharded exactly like its input.
+
+        Every rank must pass the same parameters in the same order (as one optimizer does), so
+        that collectives are issued in the same order everywhere.
 
         Args:
             updates: momentum updates, DTensors shaped and placed like ``params``.
             params: the parameters (their order names them in error messages).
         """
         names = [f"#{i} {tuple(p.shape)}" for i, p in enumerate(params)]
-        layouts = [_layout(u, n) for u, n in zip(updates, names, strict=True)]
-        meshes = {id(u.device_mesh) for u in updates}
-        if len(meshes) > 1:
-            raise ValueError(
-                f"parameters {names} live on {len(meshes)} different device meshes; distributed "
-                "Muon needs one mesh per optimizer (create one optimizer per mesh)"
-            )
+        layouts = [_classify(u, n) for u, n in zip(updates, names, strict=True)]
+        rows_groups: dict[tuple, list[int]] = {}
+        expert_groups: dict[tuple, list[int]] = {}
+        for i, layout in enumerate(layouts):
+            groups = rows_groups if isinstance(layout, ShardLayout) else expert_groups
+            groups.setdefault(_group_key(layout), []).append(i)
+
         results: dict[int, torch.Tensor] = {}
-        gathered: list[int] = []
-        local_batch: list[int] = []
-        for i, update in enumerate(updates):
-            # [E, M, N] experts are sharded on E: each rank already holds whole matrices. 2-D
-            # and 4-D (conv, flattened to [O, I*kh*kw]) updates are sharded on their rows.
-            (local_batch if update.ndim == 3 else gathered).append(i)
-        for i in local_batch:
-            if updates[i].to_local().numel() == 0:  # fewer experts than ranks
-                results[i] = updates[i].to_local()
-        todo = [i for i in local_batch if i not in results]
-        if todo:
-            outs = self.local_orthogonalize([updates[i].to_local() for i in todo])
-            results.update(zip(todo, outs, strict=True))
-        if gathered:
-            results.update(self._gathered(updates, gathered, layouts[gathered[0]]))
+        pipelines = [
+            _RowsPipeline(self, updates, indices, layouts[indices[0]])
+            for indices in rows_groups.values()
+        ]
+        for pipeline in pipelines:
+            pipeline.start()  # first gathers in flight while the experts compute
+        shares = [
+            self._experts(updates, indices, layouts[indices[0]], pipelines, results)
+            for indices in expert_groups.values()
+        ]
+        for pipeline in pipelines:
+            results.update(pipeline.run())
+        for share in shares:
+            if share is not None:
+                results.update(share.wait())
         return [
             DTensor.from_local(
                 results[i].reshape(u.to_local().shape).to(u.dtype),
@@ -103,22 +157,80 @@ class ShardedNewtonSchulz:
             for i, u in enumerate(updates)
         ]
 
-    def _gathered(
-        self, updates: list[DTensor], indices: list[int], layout: ShardLayout
-    ) -> dict[int, torch.Tensor]:
-        shapes = {i: (updates[i].shape[0], math.prod(updates[i].shape[1:])) for i in indices}
-        plan = self._plan(shapes, layout)
-        local_rows = {i: updates[i].to_local().reshape(-1, shapes[i][1]).float() for i in indices}
-        exchanges = [BatchExchange(batch, local_rows, shapes, layout) for batch in plan.batches]
-        results: dict[int, torch.Tensor] = {}
-        if exchanges:
-            exchanges[0].start_gather()
-        for k, exchange in enumerate(exchanges):
-            owned = exchange.finish_gather()
-            if k + 1 < len(exchanges):
-                exchanges[k + 1].start_gather()  # overlaps this batch's NS
-            results.update(exchange.scatter(self.local_orthogonalize(owned) if owned else []))
-        return results
+    def orthogonalize(self, matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The local kernel, counting the matrices it is given."""
+        self.ns_matrices += sum(m.shape[0] if m.ndim == 3 else 1 for m in matrices)
+        return self.local_orthogonalize(matrices)
+
+    def _experts(
+        self,
+        updates: list[DTensor],
+        indices: list[int],
+        layout: _ExpertLayout,
+        pipelines: list[_RowsPipeline],
+        results: dict[int, torch.Tensor],
+    ) -> ReplicaShare | None:
+        """Orthogonalise this rank's share of its local experts; start the replica sum."""
+        local = {i: updates[i].to_local().float() for i in indices}
+        items = [(i, e) for i in indices for e in range(local[i].shape[0])]
+        if layout.replicate_group is None:
+            mine = items
+        else:
+            spread = self._spread(local, items, layout, pipelines)
+            mine = [item for item, r in zip(items, spread, strict=True) if r == layout.replica]
+        chosen = {i: [e for j, e in mine if j == i] for i in indices}
+        todo = [i for i in indices if chosen[i]]
+        whole = {i: len(chosen[i]) == local[i].shape[0] for i in todo}
+        inputs = [local[i] if whole[i] else local[i][chosen[i]] for i in todo]
+        outs = self.orthogonalize(inputs) if todo else []
+        computed = {}
+        for i, out in zip(todo, outs, strict=True):
+            if whole[i]:
+                computed[i] = out
+            else:  # zeros elsewhere: the replica sum fills them in exactly
+                computed[i] = torch.zeros_like(local[i])
+                computed[i][chosen[i]] = out.to(local[i].dtype)
+        for i in indices:
+            if local[i].numel() == 0:  # fewer experts than ranks
+                results[i] = local[i]
+        if layout.replicate_group is None:
+            results.update(computed)
+            return None
+        shared = [i for i in indices if local[i].numel()]
+        if not shared:
+            return None
+        share = ReplicaShare(
+            computed,
+            {i: tuple(local[i].shape) for i in shared},
+            torch.float32,
+            layout.replicate_group,
+            layout.device,
+        )
+        if not self.overlap:
+            results.update(share.wait())
+            return None
+        return share
+
+    def _spread(
+        self,
+        local: dict[int, torch.Tensor],
+        items: list[tuple[int, int]],
+        layout: _ExpertLayout,
+        pipelines: list[_RowsPipeline],
+    ) -> tuple[int, ...]:
+        # Start from the dense work each replica of this rank already has when the dense
+        # matrices are spread over the same replicate group (HSDP), so the sum is balanced.
+        start = [0] * layout.replicas
+        for pipeline in pipelines:
+            rows = pipeline.layout
+            if rows.replicate_group is layout.replicate_group:
+                for replica in range(layout.replicas):
+                    start[replica] += pipeline.plan.load.get((replica, rows.shard_rank), 0)
+        costs = [MatrixSpec(0, local[i].shape[1], local[i].shape[2]).ns_cost for i, _ in items]
+        key = (tuple(costs), tuple(start))
+        if key not in self._spreads:
+            self._spreads[key] = spread_over_replicas(costs, layout.replicas, start)
+        return self._spreads[key]
 
     def _plan(self, shapes: dict[int, tuple[int, int]], layout: ShardLayout) -> MuonPlan:
         replicas = 1 if layout.replicate_group is None else layout.replicate_group.size()
@@ -127,3 +239,56 @@ class ShardedNewtonSchulz:
             specs = [MatrixSpec(i, rows, cols) for i, (rows, cols) in shapes.items()]
             self._plans[key] = build_plan(specs, layout.shard_size, replicas, self.batch_bytes)
         return self._plans[key]
+
+
+class _RowsPipeline:
+    """The row-sharded matrices of one layout: batches gathered, orthogonalised and scattered
+    with communication overlapping NS."""
+
+    def __init__(
+        self,
+        engine: ShardedNewtonSchulz,
+        updates: list[DTensor],
+        indices: list[int],
+        layout: ShardLayout,
+    ) -> None:
+        self.engine, self.layout = engine, layout
+        shapes = {i: (updates[i].shape[0], math.prod(updates[i].shape[1:])) for i in indices}
+        self.plan = engine._plan(shapes, layout)
+        local_rows = {i: updates[i].to_local().reshape(-1, shapes[i][1]).float() for i in indices}
+        self.exchanges = [
+            BatchExchange(batch, local_rows, shapes, layout) for batch in self.plan.batches
+        ]
+
+    def start(self) -> None:
+        """Start the first batch's gather."""
+        if self.exchanges:
+            self.exchanges[0].start_gather()
+
+    def run(self) -> dict[int, torch.Tensor]:
+        """Run every batch; return this rank's rows of every matrix, by index."""
+        results: dict[int, torch.Tensor] = {}
+        exchanges, previous = self.exchanges, None
+        for k, exchange in enumerate(exchanges):
+            owned = exchange.finish_gather()
+            if k + 1 < len(exchanges):
+                exchanges[k + 1].start_gather()  # overlaps this batch's NS
+            if previous is not None and previous.shares_across_replicas:
+                previous.finish_scatter()  # its replica sum now overlaps this batch's NS
+            out = self.engine.orthogonalize(owned) if owned else []
+            if previous is not None:
+                results.update(previous.finish())
+            if self.engine.overlap:
+                exchange.start_scatter(out)
+                previous = exchange
+            else:
+                results.update(exchange.scatter(out))
+        if previous is not None:
+            results.update(previous.finish())
+        return results
+
+
+def _group_key(layout: ShardLayout | _ExpertLayout) -> tuple:
+    if isinstance(layout, ShardLayout):
+        return ("rows", id(layout.shard_group), id(layout.replicate_group))
+    return ("experts", id(layout.replicate_group))

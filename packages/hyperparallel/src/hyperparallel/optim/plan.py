@@ -10,6 +10,7 @@ inputs and the same deterministic order).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -146,3 +147,36 @@ def _cut_batches(
         ]
         batches.append(tuple(sorted(batch, key=lambda a: a.index)))
     return tuple(batches)
+
+
+def spread_over_replicas(
+    costs: Sequence[int], replicate_size: int, start_load: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """Which replica orthogonalises each of a rank's local whole matrices (expert shards).
+
+    Local matrices (MoE experts sharded on E) are identical on every replica of a rank, so each
+    is given to one replica, greedily, largest first to the least-loaded one; the replicas then
+    share results. Every replica computes the same answer from the same inputs.
+
+    Args:
+        costs: NS cost of each local matrix (e.g. :attr:`MatrixSpec.ns_cost`), in a fixed order.
+        replicate_size: replicas sharing these matrices.
+        start_load: NS cost each replica already carries (its share of the gathered matrices),
+            so the total per rank is balanced; None for zeros.
+
+    Returns:
+        The replica index of each matrix, in ``costs`` order.
+    """
+    if replicate_size < 1:
+        raise ValueError(f"replicate_size must be >= 1, got {replicate_size}")
+    load = list(start_load) if start_load is not None else [0] * replicate_size
+    if len(load) != replicate_size:
+        raise ValueError(
+            f"start_load has {len(load)} entries; it needs one per replica ({replicate_size})"
+        )
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        replica = min(range(replicate_size), key=lambda r: (load[r], r))
+        owner[i] = replica
+        load[replica] += costs[i]
+    return tuple(owner)
