@@ -174,35 +174,12 @@ def boost_wan_transformer(model, config) -> _WanBoostHandle:
     return _WanBoostHandle(model, previous, config.rope_cache)
 
 
-@dataclass
-class _WanUlyssesHandle:
-    model: Any
-
-    def remove(self) -> None:
-        state = _state(self.model)
-        state.settings.ulysses = None
-        for block in self.model.blocks:
-            HookRegistry.check_if_exists_or_initialize(block).remove_hook("liteboost.ulysses")
-        HookRegistry.check_if_exists_or_initialize(self.model).get_hook("liteboost.grid").world = 1
-        _detach(self.model, "parallel")
-
-
 @register_parallel("WanTransformer3DModel")
-def parallelize_wan_transformer(model, config) -> _WanUlyssesHandle | None:
-    """Ulysses over ``config.group`` on self-attention; None when the degree is 1."""
-    if config.ulysses_degree <= 1:
-        return None
-    exchange = UlyssesExchange(config.group, model.config.num_attention_heads, config.pad_heads)
-    state = _attach(model, "parallel")
-    state.settings.ulysses = exchange
-    HookRegistry.check_if_exists_or_initialize(model).get_hook(
-        "liteboost.grid"
-    ).world = exchange.degree
-    last = len(model.blocks) - 1
-    for i, block in enumerate(model.blocks):
-        hook = _UlyssesBlockHook(state.context, exchange, first=i == 0, last=i == last)
-        HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, "liteboost.ulysses")
-    return _WanUlyssesHandle(model)
+def parallelize_wan_transformer(model, config):
+    """CFG x Ring x Ulysses on the transformer (``liteboost.parallel.wan``); None when all are 1."""
+    from liteboost.parallel.wan import parallelize_transformer
+
+    return parallelize_transformer(model, config)
 
 
 @dataclass

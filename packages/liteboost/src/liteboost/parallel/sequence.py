@@ -1,0 +1,121 @@
+"""Sequence parallelism over Ulysses x Ring ranks: one shard of the token sequence per rank.
+
+The sequence-parallel ranks form a ``ring_degree x ulysses_degree`` grid (Ulysses innermost, as
+xDiT lays it out: the all-to-alls want the fastest links). Rank ``r = ring * U + ulysses`` holds
+tokens ``[r * L, (r + 1) * L)``. For self-attention the Ulysses all-to-all turns the ``U``
+sequence shards of one ring position into one contiguous chunk of ``U * L`` tokens with
+``heads / U`` heads; ring attention then runs over the ``ring_degree`` chunks; a second all-to-all
+returns to the sequence shard. With ``ring_degree == 1`` this is plain Ulysses (and the chunk is
+the whole sequence, so the block-sparse kernels can run on it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from liteboost.parallel.ring import RingAttention
+from liteboost.parallel.ulysses import UlyssesExchange
+
+
+class SequenceParallel:
+    """Shard / gather over all sequence-parallel ranks plus the self-attention exchange.
+
+    Offers the interface of :class:`UlyssesExchange` (``shard``, ``gather``, ``scatter_heads``,
+    ``gather_heads``, ``degree``, ``rank``) so the Ulysses-only path is unchanged, and
+    :meth:`ring_attention` for layouts with a ring.
+
+    Args:
+        group: all sequence-parallel ranks (``ring_degree * ulysses_degree``), ranked
+            ``ring * ulysses_degree + ulysses``.
+        ulysses_group: this rank's Ulysses group (None when ``ulysses_degree == 1``).
+        ring_group: this rank's ring group (None when ``ring_degree == 1``).
+        heads: attention heads of the model.
+        pad_heads: allow heads not divisible by the Ulysses degree (zero heads).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        ulysses_group: dist.ProcessGroup | None,
+        ring_group: dist.ProcessGroup | None,
+        heads: int,
+        pad_heads: bool = True,
+    ) -> None:
+        self.group = group
+        self.degree = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.ulysses = (
+            UlyssesExchange(ulysses_group, heads, pad_heads)
+            if ulysses_group is not None and dist.get_world_size(ulysses_group) > 1
+            else None
+        )
+        self.ring = (
+            RingAttention(ring_group)
+            if ring_group is not None and dist.get_world_size(ring_group) > 1
+            else None
+        )
+        self.ulysses_degree = self.ulysses.degree if self.ulysses else 1
+        self.ring_degree = self.ring.degree if self.ring else 1
+        if self.ulysses_degree * self.ring_degree != self.degree:
+            raise ValueError(
+                f"sequence-parallel group of {self.degree} ranks is not ulysses_degree="
+                f"{self.ulysses_degree} x ring_degree={self.ring_degree}"
+            )
+
+    def shard(self, x: torch.Tensor, shard_len: int, dim: int = 1) -> torch.Tensor:
+        """This rank's ``shard_len`` tokens of ``x`` along ``dim`` (zero-padded at the end)."""
+        total = shard_len * self.degree
+        if x.shape[dim] < total:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = total - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        return x.narrow(dim, self.rank * shard_len, shard_len)
+
+    def gather(self, x: torch.Tensor, seq_len: int, dim: int = 1) -> torch.Tensor:
+        """Concatenate every rank's equal-size shard along ``dim`` and drop the padding."""
+        x = x.contiguous()
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(self.degree)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim).narrow(dim, 0, seq_len)
+
+    def scatter_heads(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Ulysses only: [B, L, N, D] shard -> [B, seq_len, N / U, D] (whole sequence)."""
+        if self.ring is not None:
+            raise RuntimeError("with a ring, self-attention goes through ring_attention()")
+        return self.ulysses.scatter_heads(x, seq_len) if self.ulysses else x[:, :seq_len]
+
+    def gather_heads(self, x: torch.Tensor, shard_len: int) -> torch.Tensor:
+        """Ulysses only: inverse of :meth:`scatter_heads`."""
+        return self.ulysses.gather_heads(x, shard_len) if self.ulysses else x
+
+    def ring_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_len: int,
+        shard_len: int,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Dense self-attention of this rank's [B, shard_len, N, D] shard over the whole sequence.
+
+        Ulysses all-to-all into the ring chunk (no padding cut: the chunk keeps its length),
+        ring attention over the chunks with pad keys excluded, all-to-all back.
+        """
+        chunk_len = shard_len * self.ulysses_degree
+        if self.ulysses is not None:
+            q, k, v = (self.ulysses.scatter_heads(t, chunk_len) for t in (q, k, v))
+        out = self.ring(q, k, v, seq_len, scale) if self.ring else _dense(q, k, v, seq_len, scale)
+        if self.ulysses is not None:
+            out = self.ulysses.gather_heads(out, shard_len)
+        return out
+
+
+def _dense(q, k, v, seq_len, scale):
+    # Only reached with ring_degree == 1, where callers use scatter_heads instead.
+    k, v = k[:, :seq_len], v[:, :seq_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
+    )
+    return out.transpose(1, 2)

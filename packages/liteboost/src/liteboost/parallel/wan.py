@@ -1,0 +1,234 @@
+"""WanTransformer3DModel across a CFG x Ring x Ulysses mesh, through diffusers hooks.
+
+Sequence parallelism (Ulysses and/or Ring): a post-forward hook on ``patch_embedding`` keeps this
+rank's shard of the patch tokens, a per-block hook shards the per-token inputs (RoPE tables,
+Wan2.2 TI2V's per-token modulation), the attention processor runs self-attention across the
+ranks, and a pre-forward hook on ``norm_out`` gathers the shards. Cutting and gathering outside
+the blocks keeps every block's input and output the same shape, so diffusers' block-level cache
+hooks (first-block cache, TaylorSeer, ...) compose with it in any registration order.
+
+CFG parallel: WanPipeline calls the transformer twice per step, ``cache_context("cond")`` then
+``cache_context("uncond")``, and combines the two outputs only after the second call. A stateful
+hook on the transformer reads that context name: the rank that owns the branch runs it, the other
+returns an empty buffer of the output's shape at once and runs its own branch next, so both
+branches run at the same time on different ranks; after the second call one all_gather fills the
+buffers. Calls outside a cond/uncond context, or steps where the pipeline runs no guidance, run
+on every rank as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import BaseState, StateManager
+
+from liteboost.attention.processor import BoostedWanAttnProcessor
+from liteboost.models.wan import _attach, _detach, _state, _UlyssesBlockHook
+from liteboost.parallel.sequence import SequenceParallel
+
+_CFG_HOOK = "liteboost.cfg"
+_SHARD_HOOK = "liteboost.sp_shard"
+_GATHER_HOOK = "liteboost.sp_gather"
+_BLOCK_HOOK = "liteboost.ulysses"
+BRANCHES = ("cond", "uncond")
+
+
+class HybridWanAttnProcessor(BoostedWanAttnProcessor):
+    """The boosted Wan processor whose self-attention runs ring attention when there is a ring."""
+
+    def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sp = self.settings.ulysses
+        if isinstance(sp, SequenceParallel) and sp.ring is not None:
+            if self.settings.sparsity > 0:
+                raise ValueError(
+                    f"sparsity={self.settings.sparsity} with ring_degree={sp.ring_degree}: ring "
+                    "attention is dense (the sparse kernels pick key blocks from the whole "
+                    "sequence); use sparsity=0, or ulysses_degree instead of a ring"
+                )
+            return sp.ring_attention(q, k, v, self.context.seq_len, self.context.shard_len)
+        return super()._self_attention(q, k, v)
+
+
+class _ShardTokensHook(ModelHook):
+    """patch_embedding output [B, C, F, H, W] -> this rank's tokens [B, C, shard_len]."""
+
+    def __init__(self, context, sp: SequenceParallel) -> None:
+        super().__init__()
+        self.context, self.sp = context, sp
+
+    def post_forward(self, module, output):
+        # Wan continues with .flatten(2).transpose(1, 2): a no-op flatten on the 3-D shard.
+        return self.sp.shard(output.flatten(2), self.context.shard_len, dim=2)
+
+
+class _GatherTokensHook(ModelHook):
+    """norm_out input [B, shard_len, C] -> every rank's tokens [B, seq_len, C]."""
+
+    def __init__(self, context, sp: SequenceParallel) -> None:
+        super().__init__()
+        self.context, self.sp = context, sp
+
+    def pre_forward(self, module, hidden_states, *args, **kwargs):
+        return (self.sp.gather(hidden_states, self.context.seq_len), *args), kwargs
+
+
+class _NoState(BaseState):
+    def reset(self, *args, **kwargs) -> None:
+        pass
+
+
+class CfgParallelHook(ModelHook):
+    """Runs the "cond" branch on CFG rank 0 and "uncond" on rank 1; one all_gather per step.
+
+    Stateful only so that diffusers' ``cache_context`` hands it the branch name.
+    """
+
+    _is_stateful = True
+
+    def __init__(self, group, pipeline, out_channels: int) -> None:
+        super().__init__()
+        self.group = group
+        self.pipeline = pipeline
+        self.out_channels = out_channels
+        self.state_manager = StateManager(_NoState)
+        self.mine = BRANCHES[dist.get_rank(group)]
+        self.pending: dict[str, torch.Tensor] = {}
+        self.exchanges = 0
+
+    def _branch(self) -> str | None:
+        try:
+            name = self.state_manager.context.name
+        except ValueError:  # no cache_context: a direct call
+            return None
+        if name not in BRANCHES or not self.pipeline.do_classifier_free_guidance:
+            return None
+        return name
+
+    def new_forward(self, module, *args, **kwargs):
+        branch = self._branch()
+        if branch is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        if branch in self.pending:
+            raise RuntimeError(
+                f"CFG parallel saw two {branch!r} calls without the other branch in between"
+            )
+        if branch == self.mine:
+            output = self.fn_ref.original_forward(*args, **kwargs)
+            sample = output[0] if isinstance(output, tuple) else output.sample
+        else:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            b, _, f, h, w = hidden.shape
+            dtype = module.proj_out.weight.dtype
+            sample = torch.empty(b, self.out_channels, f, h, w, dtype=dtype, device=hidden.device)
+            if kwargs.get("return_dict", True):
+                from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+                output = Transformer2DModelOutput(sample=sample)
+            else:
+                output = (sample,)
+        self.pending[branch] = sample
+        if len(self.pending) == len(BRANCHES):
+            self._exchange()
+        return output
+
+    def _exchange(self) -> None:
+        """One all_gather: each rank contributes its branch and fills the other's buffer."""
+        mine = self.pending[self.mine].contiguous()
+        parts = [torch.empty_like(mine) for _ in BRANCHES]
+        dist.all_gather(parts, mine, group=self.group)
+        for name, part in zip(BRANCHES, parts, strict=True):
+            if name != self.mine:
+                self.pending[name].copy_(part)
+        self.pending.clear()
+        self.exchanges += 1
+
+    def reset_state(self, module):
+        self.pending.clear()
+        return module
+
+
+@dataclass
+class WanParallelHandle:
+    """Undoes :func:`parallelize_transformer`."""
+
+    model: Any
+    sequence: bool
+    cfg: bool
+    block_hooks: list = field(default_factory=list)
+
+    def remove(self) -> None:
+        model = self.model
+        if self.cfg:
+            HookRegistry.check_if_exists_or_initialize(model).remove_hook(_CFG_HOOK, recurse=False)
+        if not self.sequence:
+            return
+        state = _state(model)
+        state.settings.ulysses = None
+        for block in model.blocks:
+            registry = HookRegistry.check_if_exists_or_initialize(block)
+            registry.remove_hook(_BLOCK_HOOK, recurse=False)
+        HookRegistry.check_if_exists_or_initialize(model.patch_embedding).remove_hook(
+            _SHARD_HOOK, recurse=False
+        )
+        HookRegistry.check_if_exists_or_initialize(model.norm_out).remove_hook(
+            _GATHER_HOOK, recurse=False
+        )
+        HookRegistry.check_if_exists_or_initialize(model).get_hook("liteboost.grid").world = 1
+        if state.users - {"parallel"}:
+            # Others (the boost) still use the processors: back to the single-device one.
+            model.set_attn_processor(BoostedWanAttnProcessor(state.settings, state.context))
+        _detach(model, "parallel")
+
+
+def parallelize_transformer(model, config) -> WanParallelHandle | None:
+    """Sequence parallelism (Ulysses x Ring) and CFG parallel on a Wan transformer.
+
+    Returns None when every degree is 1 (nothing to do).
+
+    Raises:
+        ValueError: CFG parallel for a pipeline without ``do_classifier_free_guidance``, or
+            head padding refused (``pad_heads=False``) for a degree that does not divide the heads.
+    """
+    sequence = config.ulysses_degree * config.ring_degree > 1
+    cfg = config.cfg_degree > 1
+    if not sequence and not cfg:
+        return None
+    if cfg and not hasattr(type(config.pipeline), "do_classifier_free_guidance"):
+        raise ValueError(
+            f"cfg_degree={config.cfg_degree}: {type(config.pipeline).__name__} has no "
+            "do_classifier_free_guidance; CFG parallel supports diffusers' Wan pipelines"
+        )
+    handle = WanParallelHandle(model, sequence=sequence, cfg=cfg)
+    if sequence:
+        sp = SequenceParallel(
+            config.sp_group,
+            config.group if config.ulysses_degree > 1 else None,
+            config.ring_group if config.ring_degree > 1 else None,
+            model.config.num_attention_heads,
+            config.pad_heads,
+        )
+        state = _attach(model, "parallel")
+        state.settings.ulysses = sp
+        model.set_attn_processor(HybridWanAttnProcessor(state.settings, state.context))
+        grid = HookRegistry.check_if_exists_or_initialize(model).get_hook("liteboost.grid")
+        grid.world = sp.degree
+        HookRegistry.check_if_exists_or_initialize(model.patch_embedding).register_hook(
+            _ShardTokensHook(state.context, sp), _SHARD_HOOK
+        )
+        HookRegistry.check_if_exists_or_initialize(model.norm_out).register_hook(
+            _GatherTokensHook(state.context, sp), _GATHER_HOOK
+        )
+        for block in model.blocks:
+            hook = _UlyssesBlockHook(state.context, sp, first=False, last=False)
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, _BLOCK_HOOK)
+    if cfg:
+        out_channels = model.config.out_channels or model.config.in_channels
+        hook = CfgParallelHook(config.cfg_group, config.pipeline, out_channels)
+        registry = HookRegistry.check_if_exists_or_initialize(model)
+        registry.register_hook(hook, _CFG_HOOK)
+        registry.invalidate_child_registries_cache()
+    return handle
