@@ -246,12 +246,45 @@ def _gather_frames(local: torch.Tensor, counts: list[int], group) -> torch.Tenso
     return torch.cat([part[:, :, :count] for part, count in zip(parts, counts, strict=True)], dim=2)
 
 
+def choose_decode_mode(
+    vae, z: torch.Tensor, world_size: int, receptive_field: int | None = None
+) -> str:
+    """ "spatial" or "temporal": the mode whose busiest rank does less decoder work for ``z``.
+
+    Temporal: the longest window (span plus causal receptive field) over all latent frames.
+    Spatial: the replicated share (``conv_in`` and the middle block at latent resolution) plus
+    one slab of rows of the rest. Spatial needs a decoder that is local after its middle block,
+    at least one latent row per rank and no VAE tiling (tiles are spatial already); an explicit
+    ``receptive_field`` asks for the temporal mode.
+    """
+    from liteboost.parallel import vae_spatial
+
+    if world_size <= 1:
+        return "temporal"
+    frames, rows = z.shape[2], z.shape[-2]
+    field = decoder_receptive_field(vae) if receptive_field is None else receptive_field
+    spans = plan_spans(frames, world_size, field)
+    temporal = max(s.stop - s.window for s in spans) / frames
+    plan = vae_spatial.spatial_plan(vae)
+    if (
+        plan is None
+        or receptive_field is not None
+        or rows < world_size
+        or getattr(vae, "use_tiling", False)
+    ):
+        return "temporal"
+    largest = max(b - a for a, b in vae_spatial.plan_rows(rows, world_size))
+    spatial = plan.replicated_share + (1 - plan.replicated_share) * largest / rows
+    return "spatial" if spatial < temporal else "temporal"
+
+
 def parallel_decode(
     vae,
     z: torch.Tensor,
     decode_fn: Callable[[torch.Tensor], torch.Tensor],
     group=None,
     receptive_field: int | None = None,
+    mode: str | None = None,
 ) -> torch.Tensor:
     """Decode latents ``z`` [B, C, T, h, w] across the ranks of ``group``; all ranks get all frames.
 
@@ -261,9 +294,20 @@ def parallel_decode(
         decode_fn: the single-process decode, ``decode_fn(z) -> frames [B, 3, T_out, H, W]``.
         group: process group (None = default).
         receptive_field: override of :func:`decoder_receptive_field` (smaller is faster but no
-            longer exact).
+            longer exact); implies the temporal mode.
+        mode: "temporal" (spans of frames, bit-identical), "spatial" (row slabs with halo
+            exchange, exact up to float rounding: ``liteboost.parallel.vae_spatial``) or None
+            to pick by shape (:func:`choose_decode_mode`).
     """
+    from liteboost.parallel import vae_spatial
+
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if mode is None:
+        mode = choose_decode_mode(vae, z, world, receptive_field)
+    if mode == "spatial":
+        return vae_spatial.spatial_decode(vae, z, decode_fn, group)
+    if mode != "temporal":
+        raise ValueError(f"mode={mode!r}; use 'temporal', 'spatial' or None (by shape)")
     field = decoder_receptive_field(vae) if receptive_field is None else receptive_field
     factor = temporal_factor(vae)
     spans = plan_spans(z.shape[2], world, field)
