@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from modelzoo.checks import InputError
 from modelzoo.schema import ModelCard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,7 +27,7 @@ class LibraryMissingError(RuntimeError):
 def resolve_dtype(name: str) -> torch.dtype:
     """Map a dtype name (``float32``, ``bfloat16``, ``float16``) to ``torch.dtype``."""
     if name not in _DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
+        raise InputError(f"--dtype {name!r} is not one of {', '.join(sorted(_DTYPES))}")
     return _DTYPES[name]
 
 

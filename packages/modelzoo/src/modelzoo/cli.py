@@ -2,6 +2,9 @@
 
 Listing and validation need neither transformers nor diffusers; convert and run import the
 card's library when they need it and say which extra to install when it is missing.
+
+Exit status: 0 done; 1 the work failed (an invalid card, a missing library); 2 the input was
+refused before any work started (one line on stderr naming the argument; nothing written).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from modelzoo import registry
+from modelzoo.checks import InputError, check_card_file, check_source
 from modelzoo.schema import Category, ModelCard, Status
 from modelzoo.table import render_markdown, update_readme
 from modelzoo.validate import CardError
@@ -39,16 +43,16 @@ class Format(enum.StrEnum):
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    """Print a user-facing error (missing library, missing --path, listed card) and exit 1."""
-    console.print(f"[red]error[/red] {escape(str(exc))}")
-    return typer.Exit(1)
+    """One line on stderr; exit 2 for input refused before work, 1 for work that failed."""
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(2 if isinstance(exc, InputError) else 1)
 
 
 def _card(name: str) -> ModelCard:
     try:
         return registry.get(name)
     except KeyError as exc:
-        raise typer.BadParameter(str(exc.args[0]), param_hint="NAME") from None
+        raise _fail(InputError(str(exc.args[0]))) from None
 
 
 @app.command("list")
@@ -97,11 +101,15 @@ def validate(
 ) -> None:
     """Validate every shipped card (schema + architecture class in the installed library)."""
     try:
+        paths = [check_card_file(f) for f in files or []]  # all of them, before any is read
+    except InputError as exc:
+        raise _fail(exc) from None
+    try:
         cards = registry.list()
-        extra = [registry.register(f, replace=True) for f in files or []]
+        extra = [registry.register(f, replace=True) for f in paths]
         skipped = registry.validate_all([*cards, *extra])
     except CardError as exc:
-        console.print(f"[red]invalid card[/red] {escape(str(exc))}")
+        typer.echo(f"invalid card: {exc}", err=True)
         raise typer.Exit(1) from None
     reasons = {k: v for k, v in skipped.items() if v}
     checked = len(skipped) - len(reasons)
@@ -122,24 +130,39 @@ def convert(
     trust_remote_code: Annotated[
         bool, typer.Option(help="Allow hub code (never implied).")
     ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(help="Replace a previous conversion in --out (only its files)."),
+    ] = False,
+    mfusion: Annotated[
+        bool,
+        typer.Option(
+            help="Also compile the exported program with Inductor and the card's mfusion "
+            "options, check it against eager and record what mfusion did in the manifest."
+        ),
+    ] = False,
 ) -> None:
     """Convert a full card's model (torch.export .pt2 or safetensors) and write a manifest.
 
     The exported program is checked against eager on the example inputs and on a second shape
-    before it is written, e.g. `modelzoo convert qwen3-8b --tiny --out out/qwen3`.
+    before it is written, e.g. `modelzoo convert qwen3-8b --tiny --out out/qwen3`. --out must
+    be new or empty, or hold a previous conversion and --overwrite be given.
     """
     from modelzoo.build import LibraryMissingError
     from modelzoo.convert import convert as run_convert
 
+    card = _card(name)
     try:
         with console.status(f"converting {name}"):
             manifest = run_convert(
-                _card(name),
+                card,
                 out,
                 tiny=tiny,
                 path=path,
                 dtype=dtype,
                 trust_remote_code=trust_remote_code,
+                overwrite=overwrite,
+                mfusion=mfusion,
             )
     except (LibraryMissingError, FileNotFoundError, ValueError) as exc:
         raise _fail(exc) from None
@@ -171,6 +194,10 @@ def run(
     trust_remote_code: Annotated[
         bool, typer.Option(help="Allow hub code (never implied).")
     ] = False,
+    mfusion: Annotated[
+        bool,
+        typer.Option(help="Compile the model with Inductor and the card's mfusion options."),
+    ] = False,
 ) -> None:
     """Run a full card's inference example and print its result as JSON.
 
@@ -184,11 +211,18 @@ def run(
         "dtype": dtype,
         "boost": boost,
         "trust_remote_code": trust_remote_code,
+        "mfusion": mfusion,
         "prompt": prompt,
     }
-    from modelzoo.build import LibraryMissingError
+    from modelzoo.build import LibraryMissingError, resolve_dtype
 
     try:
+        # Checked here as well as in each rank, so that a bad input starts no rank.
+        if card.example is None or card.convert is None:
+            raise InputError(f"{card.id} is a listed card: it has no runnable example")
+        if dtype is not None:
+            resolve_dtype(dtype)
+        check_source(card, tiny=tiny, path=path)
         if nproc > 1:
             from npu_core.dist import launch
 

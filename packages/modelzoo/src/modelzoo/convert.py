@@ -2,8 +2,10 @@
 
 ``export`` cards produce a ``torch.export`` program (``model.pt2``) with the card's dynamic-shape
 spec, checked against eager on the example inputs before it is written; ``safetensors`` cards
-write weights and config. Every file is written under a temporary name and renamed, so a crash
-never leaves an artefact that looks complete.
+write weights and config. Arguments and the output folder are checked before the model is built
+(:mod:`modelzoo.checks`). Every file is written under a temporary name and renamed, the manifest
+last, so a crash never leaves an artefact that looks complete, and a failed ``--overwrite``
+leaves the previous conversion as it was.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from modelzoo.build import build_model, resolve_dtype
+from modelzoo.checks import ARTEFACTS, InputError, check_out_dir, check_source, output_folder
 from modelzoo.examples.base import ExportWrapper, example_for
 from modelzoo.schema import ModelCard
 from npu_core.files import atomic_path, sha256_file
@@ -95,29 +98,76 @@ def convert(
     path: str | os.PathLike[str] | None = None,
     dtype: str | None = None,
     trust_remote_code: bool = False,
+    overwrite: bool = False,
+    mfusion: bool = False,
 ) -> dict[str, Any]:
     """Build the model and write its artefact and ``manifest.json`` into ``out``.
 
     Args:
         card: a full card.
-        out: output directory (created).
+        out: output directory: absent or empty (created), or holding a previous conversion
+            when ``overwrite`` is set.
         tiny: random-weight tiny model from the card's overrides (offline) instead of ``path``.
-        path: local model directory when ``tiny`` is False.
+        path: local model directory when ``tiny`` is False (not both).
         dtype: override of ``card.convert.dtype`` (tiny builds default to float32).
         trust_remote_code: forwarded to transformers only when asked for.
+        overwrite: replace a previous conversion in ``out`` (its files are replaced only once
+            the new ones are complete; files of the old one that the new one lacks are removed).
+        mfusion: also compile the exported program with Inductor and the card's mfusion options
+            (:mod:`modelzoo.fusion`), check it against eager and record what mfusion did.
 
     Returns:
         The manifest (also written as ``out/manifest.json``).
+
+    Raises:
+        InputError: before any work, for a listed card, a bad dtype, a wrong weight source or
+            an output folder that is a file, not empty, holds a conversion (without
+            ``overwrite``) or cannot be written.
     """
     if card.convert is None:
-        raise ValueError(f"{card.id} is a listed card: it has no conversion config")
+        raise InputError(f"{card.id} is a listed card: it has no conversion config")
     dtype_name = dtype or ("float32" if tiny else card.convert.dtype)
     torch_dtype = resolve_dtype(dtype_name)
+    check_source(card, tiny=tiny, path=path)
+    out = check_out_dir(out, overwrite=overwrite)
+    fusion = _mfusion_for(card) if mfusion else None
+    with output_folder(out):
+        return _convert(card, out, tiny, path, dtype_name, torch_dtype, trust_remote_code, fusion)
+
+
+def _retire_manifest(out: Path) -> None:
+    """Remove a replaced conversion's manifest before the first new file lands.
+
+    Everything that can fail (build, export, the checks against eager) has run by then, so a
+    refused conversion leaves the old one whole; and while files are being replaced the folder
+    never pairs a new artefact with the old manifest: no manifest means not complete.
+    """
+    (out / "manifest.json").unlink(missing_ok=True)
+
+
+def _mfusion_for(card: ModelCard) -> Any:
+    from modelzoo.fusion import MFusionApplied
+
+    return MFusionApplied(card)
+
+
+def _convert(
+    card: ModelCard,
+    out: Path,
+    tiny: bool,
+    path: str | os.PathLike[str] | None,
+    dtype_name: str,
+    torch_dtype: torch.dtype,
+    trust_remote_code: bool,
+    fusion: Any,
+) -> dict[str, Any]:
+    assert card.convert is not None
     start = time.perf_counter()
     model = build_model(
         card, tiny=tiny, path=path, dtype=torch_dtype, trust_remote_code=trust_remote_code
     )
-    out = Path(out)
+    from modelzoo.fusion import mfusion_options
+
     manifest: dict[str, Any] = {
         "card": card.id,
         "hub_id": card.hub_id,
@@ -127,9 +177,10 @@ def convert(
         "dtype": dtype_name,
         "parameters": sum(p.numel() for p in model.parameters()),
         "torch": torch.__version__,
-        "mfusion": card.convert.mfusion,
+        "mfusion": {"applied": False, "options": mfusion_options(card)},
         "liteboost": card.convert.liteboost,
     }
+    produced: list[str] = []
     if card.convert.method == "export":
         example = example_for(card)
         inputs = example.inputs(model)
@@ -149,6 +200,11 @@ def convert(
                     max_diff,
                     _check_close(wrapper(**other), exported(**other), f"{card.id} (resized)"),
                 )
+            if fusion is not None:
+                compiled = fusion.compile(program.module(check_guards=False))
+                fused_diff = _check_close(reference, compiled(**inputs), f"{card.id} (mfusion)")
+                manifest["mfusion"] = fusion.summary() | {"max_abs_diff_vs_eager": fused_diff}
+        _retire_manifest(out)
         artefact = _atomic_target(out / "model.pt2", lambda p: torch.export.save(program, p))
         manifest["inputs"] = {
             k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in inputs.items()
@@ -171,6 +227,7 @@ def convert(
                 del state[key]
             else:
                 seen[ptr] = key
+        _retire_manifest(out)
         artefact = _atomic_target(out / "model.safetensors", lambda p: save_file(state, str(p)))
         with safe_open(str(artefact), framework="pt") as f:
             # The header must list every tensor with its shape: a cheap check of what was written.
@@ -181,11 +238,21 @@ def convert(
         _atomic_target(
             out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2, default=str))
         )
+        produced.append("config.json")
         manifest["tensors"] = len(state)
+        if fusion is not None:
+            manifest["mfusion"] = {
+                "applied": False,
+                "options": fusion.options,
+                "reason": "safetensors cards are not exported, so there is no program to compile",
+            }
     manifest["artefact"] = artefact.name
     manifest["sha256"] = sha256_file(artefact)
     manifest["bytes"] = artefact.stat().st_size
     manifest["seconds"] = round(time.perf_counter() - start, 3)
+    produced += [artefact.name, "manifest.json"]
+    for stale in set(ARTEFACTS) - set(produced):  # left by a replaced conversion of another kind
+        (out / stale).unlink(missing_ok=True)
     _atomic_target(
         out / "manifest.json",
         lambda p: p.write_text(json.dumps(manifest, indent=2, default=str) + "\n"),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from modelzoo.build import build_model, resolve_dtype
+from modelzoo.checks import InputError, check_source
 from modelzoo.examples.base import example_for
 from modelzoo.schema import ModelCard
 
@@ -56,6 +57,7 @@ def run(
     dtype: str | None = None,
     boost: bool = True,
     trust_remote_code: bool = False,
+    mfusion: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Run the card's inference example.
@@ -63,18 +65,30 @@ def run(
     Args:
         card: a full card.
         tiny: random-weight tiny model (offline) instead of loading ``path``.
-        path: local model directory when ``tiny`` is False.
+        path: local model directory when ``tiny`` is False (not both).
         dtype: parameter dtype (default: float32 for tiny, the card's precision otherwise).
         boost: apply the card's liteboost options (video cards).
         trust_remote_code: forwarded to transformers only when asked for.
+        mfusion: compile the model with Inductor and the card's mfusion options
+            (:mod:`modelzoo.fusion`) before running; off by default because compiling costs
+            far more than the tiny examples themselves.
         **options: example options (``prompt=`` for text generation).
 
     Returns:
-        The example's JSON-friendly result plus timing and boost information.
+        The example's JSON-friendly result plus timing, boost and mfusion information.
+
+    Raises:
+        InputError: before any work, for a listed card, a bad dtype or a wrong weight source.
     """
     if card.example is None or card.convert is None:
-        raise ValueError(f"{card.id} is a listed card: it has no runnable example")
+        raise InputError(f"{card.id} is a listed card: it has no runnable example")
     torch_dtype = resolve_dtype(dtype or ("float32" if tiny else card.convert.dtype))
+    check_source(card, tiny=tiny, path=path)
+    fusion = None
+    if mfusion:
+        from modelzoo.fusion import MFusionApplied
+
+        fusion = MFusionApplied(card)
     start = time.perf_counter()
     model = build_model(
         card, tiny=tiny, path=path, dtype=torch_dtype, trust_remote_code=trust_remote_code
@@ -90,6 +104,10 @@ def run(
         boosted = _apply_liteboost(card, model, tiny)
         if second is not None and boosted.get("applied"):
             _apply_liteboost(card, second, tiny)
+    if fusion is not None:
+        for module in (model, second):
+            if module is not None:
+                fusion.compile_module(module)
     built = time.perf_counter()
     result = example_for(card).run(
         model, path=None if path is None else str(path), second=second, **options
@@ -101,6 +119,7 @@ def run(
         "tiny": tiny,
         "dtype": str(torch_dtype).removeprefix("torch."),
         "liteboost": boosted,
+        "mfusion": fusion.summary() if fusion is not None else {"applied": False},
         "build_seconds": round(built - start, 3),
         "run_seconds": round(done - built, 3),
         "result": result,
