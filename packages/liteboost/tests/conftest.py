@@ -1,4 +1,9 @@
-"""Shared inputs for liteboost's tests: structured attention inputs and tiny Wan inputs."""
+"""Shared inputs for liteboost's tests: structured attention inputs and tiny Wan inputs.
+
+Tests get them as fixtures (the suite runs with ``--import-mode=importlib``, where
+``from conftest import ...`` does not work). The module-level functions stay importable for
+test files not yet moved to the fixtures.
+"""
 
 from __future__ import annotations
 
@@ -86,4 +91,23 @@ def vae_pixels(frames: int, batch: int = 1) -> torch.Tensor:
 
 @pytest.fixture
 def qkv_factory():
+    """:func:`structured_qkv`: spatially local Q/K/V for a latent grid."""
     return structured_qkv
+
+
+@pytest.fixture
+def wan_inputs():
+    """:func:`tiny_inputs`: inputs of the tiny Wan transformer for a token grid."""
+    return tiny_inputs
+
+
+@pytest.fixture
+def wan_variant_inputs():
+    """:func:`tiny_variant_inputs`: Wan2.1 I2V / Wan2.2 TI2V inputs for the tiny transformer."""
+    return tiny_variant_inputs
+
+
+@pytest.fixture
+def tiny_i2v() -> dict:
+    """Config overrides that make the tiny transformer a Wan2.1 I2V model."""
+    return dict(TINY_I2V)

@@ -66,10 +66,10 @@ def test_no_backend_for_mixed_dtypes_lists_every_reason():
 @pytest.mark.parametrize(
     ("forced", "described", "match"),
     [
-        (B.FA2, call(dtype=torch.float32), r"'fa2' does not accept dtype float32 \(allowed: "),
-        (B.FA3, call(head_dim=320), r"'fa3' does not accept head dim 320 \(allowed: at most 256"),
+        (B.FA2, call(dtype=torch.float32), r"'fa2' cannot run this call: dtype float32 \(allowed"),
+        (B.FA3, call(head_dim=320), r"'fa3' cannot run this call: head dim 320 \(allowed: at most"),
         (B.FA3, call(cap=(8, 0)), r"capability \(8, 0\) \(allowed: >= 9.0\)"),
-        (B.NPU, call(device="cpu"), r"'npu' does not accept device 'cpu' \(allowed: npu\)"),
+        (B.NPU, call(device="cpu"), r"'npu' cannot run this call: device 'cpu' \(allowed: npu\)"),
     ],
 )
 def test_forced_backend_that_refuses_the_call_raises(forced, described, match):
@@ -78,7 +78,7 @@ def test_forced_backend_that_refuses_the_call_raises(forced, described, match):
 
 
 def test_forced_backend_that_is_not_installed_raises():
-    with pytest.raises(RuntimeError, match="'fa2' cannot run here"):
+    with pytest.raises(ValueError, match="'fa2' cannot run this call: not installed"):
         select_backend(call(), B.FA2, installed={B.SDPA})
 
 

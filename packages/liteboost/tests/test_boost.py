@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from conftest import TINY_I2V, tiny_inputs, tiny_variant_inputs
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 import liteboost
@@ -19,9 +18,9 @@ def _run(model, inputs):
     return model(**inputs).sample
 
 
-def test_boost_at_sparsity_zero_equals_stock_model():
+def test_boost_at_sparsity_zero_equals_stock_model(wan_inputs):
     model = build_tiny_transformer()
-    inputs = tiny_inputs(batch=2)
+    inputs = wan_inputs(batch=2)
     stock = _run(model, inputs)
     with liteboost.BoostManager(model, sparsity=0.0) as manager:
         assert manager.boosted == ["model"]
@@ -32,11 +31,11 @@ def test_boost_at_sparsity_zero_equals_stock_model():
 
 
 @pytest.mark.parametrize("variant", ["i2v", "ti2v"])
-def test_boost_on_i2v_and_ti2v_models(variant):
+def test_boost_on_i2v_and_ti2v_models(variant, wan_variant_inputs, tiny_i2v):
     """Wan2.1 I2V (image K/V branch) and Wan2.2 TI2V (per-token timestep): dense boost equals
     stock; sparse boost with the gather kernel equals the reference kernel."""
-    model = build_tiny_transformer(**(TINY_I2V if variant == "i2v" else {}))
-    inputs = tiny_variant_inputs(variant, grid=(3, 8, 9))
+    model = build_tiny_transformer(**(tiny_i2v if variant == "i2v" else {}))
+    inputs = wan_variant_inputs(variant, grid=(3, 8, 9))
     stock = _run(model, inputs)
     with liteboost.BoostManager(model):
         torch.testing.assert_close(_run(model, inputs), stock, atol=1e-5, rtol=1e-5)
@@ -48,14 +47,14 @@ def test_boost_on_i2v_and_ti2v_models(variant):
     assert not torch.allclose(ref, stock, atol=1e-6), "sparsity 0.5 must skip some blocks"
 
 
-def test_sparse_boost_uses_the_plan_of_the_op():
+def test_sparse_boost_uses_the_plan_of_the_op(wan_inputs):
     """Sparse self-attention inside the model: gather, flex and the reference kernel agree.
 
     216 tokens in blocks of 16: the last block is partial (the kernel bounds the tail itself).
     Same attention shape as test_sparse_attention.py, so the compiled kernel is shared.
     """
     model = build_tiny_transformer()
-    inputs = tiny_inputs(grid=(3, 8, 9), batch=2)
+    inputs = wan_inputs(grid=(3, 8, 9), batch=2)
     with liteboost.BoostManager(model, sparsity=0.5, block_size=16, sparse_kernel="reference"):
         ref = _run(model, inputs)
     stock = _run(model, inputs)
@@ -84,10 +83,20 @@ def test_unsupported_model_lists_supported_classes():
         liteboost.ParallelManager(torch.nn.Linear(2, 2))
 
 
-def test_register_boost_extends_the_registry():
+@pytest.fixture
+def toy_model_class():
+    """A model class registered for the test only: the registry is restored afterwards."""
+    from liteboost.models.registry import unregister_boost
+
     class ToyModel(torch.nn.Module):
         pass
 
+    yield ToyModel
+    unregister_boost("ToyModel")
+    assert "ToyModel" not in liteboost.supported_boosts()
+
+
+def test_register_boost_extends_the_registry(toy_model_class):
     calls = []
 
     @liteboost.register_boost("ToyModel")
@@ -95,7 +104,7 @@ def test_register_boost_extends_the_registry():
         calls.append(config.sparsity)
         return type("Handle", (), {"remove": lambda self: calls.append("removed")})()
 
-    manager = liteboost.BoostManager(ToyModel(), sparsity=0.25)
+    manager = liteboost.BoostManager(toy_model_class(), sparsity=0.25)
     manager.remove()
     assert calls == [0.25, "removed"]
     assert "ToyModel" in liteboost.supported_boosts()

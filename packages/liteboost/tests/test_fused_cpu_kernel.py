@@ -13,7 +13,8 @@ from liteboost.ops.fused_cpu import (
     fused_cpu_block_sparse_attention,
     load_cpu_kernel,
 )
-from liteboost.ops.rain_fusion import SparseKernel, default_kernel, reference_block_sparse_attention
+from liteboost.ops.rain_fusion import SparseKernel, default_kernel
+from liteboost.ops.reference import reference_block_sparse_attention
 
 # The first FlexAttention or fused-kernel call compiles (Inductor's C++ template, the kernel's
 # cpp_extension build), once per vector ISA: minutes on a loaded two-core machine. The timeout

@@ -13,11 +13,9 @@ import torch.nn.functional as F
 
 from liteboost.ops import plan_sparse_attention, rain_fusion_attention, sparse_attention, tiling
 from liteboost.ops.block_gather import gather_block_sparse_attention
+from liteboost.ops.blocks import block_index_to_dense
 from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention
-from liteboost.ops.rain_fusion import (
-    block_index_to_dense,
-    reference_block_sparse_attention,
-)
+from liteboost.ops.reference import reference_block_sparse_attention
 
 # The first FlexAttention or fused-kernel call compiles (Inductor's C++ template, the kernel's
 # cpp_extension build), once per vector ISA: minutes on a loaded two-core machine. The timeout

@@ -1,11 +1,13 @@
 """Dense attention backends and the chain FA3 -> FA2 -> NPU -> torch SDPA, checked per call.
 
 Each backend declares what it accepts (device, dtype, head dim, CUDA compute capability) and its
-native layout, as diffusers' attention dispatcher does; one generic check reads those
-declarations. A call goes to the first backend in chain order that is installed (its package
-imports; probed once per process) *and* whose constraints accept the call. So fp32 inputs never
-reach FlashAttention (fp16/bf16 only), a head dim above 256 or a pre-Ampere GPU falls back to
-SDPA, and CPU tensors always run SDPA, whatever is installed. Each distinct choice is logged once.
+native layout, as diffusers' attention dispatcher does. The backends are plug-ins of one
+``npu_core.plugins.Registry``, chosen by the rule the sparse kernels follow too
+(``liteboost.ops.sparse_kernels``): a call goes to the first backend in chain order that is
+installed (its package imports; probed once per process) *and* whose constraints accept the
+call. So fp32 inputs never reach FlashAttention (fp16/bf16 only), a head dim above 256 or a
+pre-Ampere GPU falls back to SDPA, and CPU tensors always run SDPA, whatever is installed. Each
+distinct choice is logged once.
 
 ``LITEBOOST_ATTENTION_BACKEND`` or a ``backend=`` argument forces one backend; a forced backend
 that is not installed, or that does not accept the call, raises (naming what it accepts)
@@ -19,13 +21,14 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from liteboost import env
 from npu_core._npu import import_torch_npu
+from npu_core.plugins import DeviceDtype, Plugin, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -94,32 +97,29 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
-class Constraints:
-    """What a backend accepts; :meth:`rejection` is the one check every backend goes through.
+class Constraints(DeviceDtype):
+    """What a backend accepts: ``npu_core.plugins.DeviceDtype`` plus head dims and capability.
 
     Attributes:
         devices: device types it runs on; None for any.
         dtypes: dtypes it takes (q, k and v must share one).
+        differentiable: whether it has a backward.
         max_head_dim: largest head dim; None for no limit.
         value_head_dim_equal: v must have q's head dim.
         min_capability: minimum CUDA compute capability (major, minor).
     """
 
-    devices: tuple[str, ...] | None
-    dtypes: tuple[torch.dtype, ...]
     max_head_dim: int | None = None
     value_head_dim_equal: bool = False
     min_capability: tuple[int, int] | None = None
 
     def rejection(self, call: AttentionCall) -> str | None:
         """Why this backend cannot take ``call``, or None when it can."""
-        if self.devices is not None and call.device not in self.devices:
-            return f"device {call.device!r} (allowed: {', '.join(self.devices)})"
-        if call.dtype is None:
+        if call.dtype is None and (self.devices is None or call.device in self.devices):
             return "q, k and v have different dtypes (allowed: one shared dtype)"
-        if call.dtype not in self.dtypes:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"dtype {str(call.dtype).removeprefix('torch.')} (allowed: {allowed})"
+        reason = super().rejection(call)
+        if reason is not None:
+            return reason
         head_dims = {call.head_dim, call.value_head_dim}
         if self.max_head_dim is not None and max(head_dims) > self.max_head_dim:
             return f"head dim {max(head_dims)} (allowed: at most {self.max_head_dim})"
@@ -140,22 +140,30 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None], torc
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A backend: how to load its kernel, what it accepts, which layout it takes."""
+    """A backend's implementation: how to load its kernel and which layout it takes."""
 
     name: AttentionBackend
     load: Callable[[], Kernel | None]
-    constraints: Constraints
     layout: str
 
 
-_REGISTRY: dict[AttentionBackend, BackendSpec] = {}
+ATTENTION_BACKENDS: Registry[BackendSpec, AttentionCall] = Registry("attention backend")
+"""The dense backends; priority is the chain order FA3 -> FA2 -> NPU -> SDPA."""
+
+_PRIORITY = {backend: 10 * (i + 1) for i, backend in enumerate(AttentionBackend)}
 
 
 def _register(name: AttentionBackend, constraints: Constraints, layout: str):
-    """Record ``load`` (returns the kernel, or None when its package is missing) for ``name``."""
+    """Register ``load`` (returns the kernel, or None when its package is missing) as ``name``."""
 
     def decorate(load: Callable[[], Kernel | None]) -> Callable[[], Kernel | None]:
-        _REGISTRY[name] = BackendSpec(name, load, constraints, layout)
+        def installed() -> str | None:
+            return None if _kernel(name) is not None else "its package is not importable"
+
+        spec = BackendSpec(name, load, layout)
+        ATTENTION_BACKENDS.register(
+            Plugin(name.value, spec, constraints, installed=installed, priority=_PRIORITY[name])
+        )
         return load
 
     return decorate
@@ -241,13 +249,12 @@ def parse_backend(
 
 @functools.cache
 def _kernel(backend: AttentionBackend) -> Kernel | None:
-    return _REGISTRY[backend].load()
+    return ATTENTION_BACKENDS.get(backend.value).impl.load()
 
 
-@functools.cache
 def installed_backends() -> frozenset[AttentionBackend]:
     """Backends whose package imports in this process (probed once)."""
-    return frozenset(b for b in AttentionBackend if _kernel(b) is not None)
+    return frozenset(AttentionBackend(name) for name in ATTENTION_BACKENDS.installed())
 
 
 def forced_backend(backend: str | AttentionBackend | None = None) -> AttentionBackend | None:
@@ -258,12 +265,24 @@ def forced_backend(backend: str | AttentionBackend | None = None) -> AttentionBa
     return None if forced is None else parse_backend(forced, env.ATTENTION_BACKEND)
 
 
+def _with_installed(installed: Collection[AttentionBackend]) -> Registry:
+    """A copy of the registry whose installed set is ``installed`` (tests describe machines)."""
+    view: Registry[BackendSpec, AttentionCall] = Registry(ATTENTION_BACKENDS.kind)
+    for name in ATTENTION_BACKENDS.names():
+        plugin = ATTENTION_BACKENDS.get(name)
+        present = AttentionBackend(name) in installed
+        view.register(replace(plugin, installed=lambda p=present: None if p else "not present"))
+    return view
+
+
 def select_backend(
     call: AttentionCall,
     forced: AttentionBackend | None = None,
     installed: Collection[AttentionBackend] | None = None,
 ) -> AttentionBackend:
     """The backend a call runs on: ``forced`` if it accepts the call, else the chain's first.
+
+    The rule is ``npu_core.plugins.Registry.select``'s, shared with the sparse kernels.
 
     Args:
         call: the call's device, dtype and head dims.
@@ -272,40 +291,12 @@ def select_backend(
             (:func:`installed_backends`). Tests pass their own.
 
     Raises:
-        RuntimeError: ``forced`` is not installed.
-        ValueError: ``forced`` does not accept the call, or no backend does.
+        npu_core.plugins.PluginError: (a ValueError) ``forced`` is not installed or does not
+            accept the call, or no backend does; the message says why for each.
     """
-    installed = installed_backends() if installed is None else installed
-    if forced is not None:
-        if forced not in installed:
-            raise RuntimeError(
-                f"attention backend {forced.value!r} cannot run here (its package is not "
-                "importable); use 'sdpa' or leave it unset"
-            )
-        reason = _REGISTRY[forced].constraints.rejection(call)
-        if reason is not None:
-            raise ValueError(f"attention backend {forced.value!r} does not accept {reason}")
-        return forced
-    reasons = []
-    for backend in AttentionBackend:
-        if backend not in installed:
-            continue
-        reason = _REGISTRY[backend].constraints.rejection(call)
-        if reason is None:
-            return backend
-        reasons.append(f"{backend.value}: {reason}")
-    raise ValueError(f"no attention backend accepts this call: {'; '.join(reasons)}")
-
-
-@functools.cache
-def _log_choice(backend: AttentionBackend, device: str, dtype: torch.dtype | None) -> None:
-    logger.info(
-        "liteboost attention backend for %s %s: %s (first of fa3, fa2, npu, sdpa that is "
-        "installed and accepts the call)",
-        device,
-        dtype,
-        backend,
-    )
+    registry = ATTENTION_BACKENDS if installed is None else _with_installed(installed)
+    forced_name = None if forced is None else AttentionBackend(forced).value
+    return AttentionBackend(registry.select(call, forced_name).name)
 
 
 def flash_attention(
@@ -335,9 +326,7 @@ def flash_attention(
         raise ValueError(f"layout={layout!r} is not supported; use 'BSND' or 'BNSD'")
     forced = forced_backend(backend)
     chosen = select_backend(AttentionCall.of(q, k, v), forced)
-    if forced is None:
-        _log_choice(chosen, q.device.type, q.dtype)
-    spec = _REGISTRY[chosen]
+    spec = ATTENTION_BACKENDS.get(chosen.value).impl
     if spec.layout != layout:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = _kernel(chosen)(q, k, v, scale)

@@ -52,6 +52,16 @@ def register_parallel(class_name: str) -> Callable[[PlanFn], PlanFn]:
     return _register(_PARALLEL, "parallel", class_name)
 
 
+def unregister_boost(class_name: str) -> None:
+    """Remove the boost plan of ``class_name`` (a plan registered for an experiment or test)."""
+    _BOOSTS.pop(class_name, None)
+
+
+def unregister_parallel(class_name: str) -> None:
+    """Remove the parallel plan of ``class_name``."""
+    _PARALLEL.pop(class_name, None)
+
+
 def _load_builtins() -> None:
     for module in _BUILTIN_PLANS:
         importlib.import_module(module)

@@ -53,7 +53,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_qkv(q: object, k: object, v: object, layout: str) -> None:
+def check_qkv(q: object, k: object, v: object, layout: str, *, same_tokens: bool = True) -> None:
     """Refuse q, k, v that no kernel can take, naming the argument, its shape and the rule.
 
     One check for every kernel and every sparsity, run before any work: without it the dense
@@ -65,6 +65,7 @@ def check_qkv(q: object, k: object, v: object, layout: str) -> None:
         q, k, v: expected 4-D floating tensors on one device, [B, N, S, D] ("BNSD") or
             [B, S, N, D] ("BSND"), with equal B, N, S and q/k head dims.
         layout: the layout the caller declared (already validated).
+        same_tokens: q must have k's token count (self-attention); k and v always match.
 
     Raises:
         TypeError: an argument is not a tensor.
@@ -96,15 +97,19 @@ def check_qkv(q: object, k: object, v: object, layout: str) -> None:
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; expected one device")
     seq_dim, head_dim = (2, 1) if layout == "BNSD" else (1, 2)
-    for name in ("k", "v"):
-        t = named[name]
-        for dim, what in ((0, "batch"), (head_dim, "heads"), (seq_dim, "tokens")):
-            if t.shape[dim] != q.shape[dim]:
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)} ({what} {t.shape[dim]}) but q has shape "
-                    f"{tuple(q.shape)} ({what} {q.shape[dim]}); expected equal {what} in "
-                    f"layout {layout} (self-attention over the same tokens)"
-                )
+    checks = [("k", "q", 0, "batch"), ("k", "q", head_dim, "heads")]
+    checks += [("v", "q", 0, "batch"), ("v", "q", head_dim, "heads")]
+    checks += [("k", "q", seq_dim, "tokens")] if same_tokens else []
+    checks += [("v", "q" if same_tokens else "k", seq_dim, "tokens")]
+    for name, other, dim, what in checks:
+        t, ref = named[name], named[other]
+        if t.shape[dim] != ref.shape[dim]:
+            why = " (self-attention over the same tokens)" if same_tokens else ""
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} ({what} {t.shape[dim]}) but {other} has shape "
+                f"{tuple(ref.shape)} ({what} {ref.shape[dim]}); expected equal {what} in "
+                f"layout {layout}{why}"
+            )
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"k has shape {tuple(k.shape)} (head dim {k.shape[-1]}) but q has shape "
