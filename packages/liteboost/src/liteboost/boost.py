@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from liteboost._components import components
 from liteboost.attention.backends import parse_backend
+from liteboost.cache import apply_cache, cache_config
 from liteboost.models.registry import Handle, find_boost, supported_boosts, unsupported
 from liteboost.ops.rain_fusion import SparseKernel
 
@@ -50,6 +54,35 @@ class BoostConfig:
                 ) from None
 
 
+_OWNER_ATTR = "_liteboost_boost_owner"
+
+
+def _refuse_boosted(name: str, module: Any) -> None:
+    """A component boosted twice would get a second set of hooks: say so, with the fix."""
+    if getattr(module, _OWNER_ATTR, None) is not None:
+        raise ValueError(
+            f"{name} ({type(module).__name__}) is already boosted by another BoostManager; "
+            "call remove() on that one (or leave its with-block) before boosting again"
+        )
+
+
+@dataclass
+class _BoostedComponent:
+    """One component's boost and optional cache, removed in reverse order."""
+
+    module: Any
+    parts: list
+
+    def __post_init__(self) -> None:
+        setattr(self.module, _OWNER_ATTR, self)
+
+    def remove(self) -> None:
+        while self.parts:
+            self.parts.pop().remove()
+        if getattr(self.module, _OWNER_ATTR, None) is self:
+            delattr(self.module, _OWNER_ATTR)
+
+
 class BoostManager:
     """Applies liteboost's single-device boosts in place; ``remove()`` (or ``with``) undoes them.
 
@@ -68,10 +101,16 @@ class BoostManager:
         block_size: tokens per sparse block (128 matches the NPU kernel).
         sparse_kernel: "npu", "cpu", "gather", "flex" or "reference"; None = per device (NPU op,
             the fused "cpu" kernel on CPU, else flex).
+        cache: step caching through diffusers' cache hooks on every boosted transformer: a
+            diffusers cache config (``FirstBlockCacheConfig(threshold=0.1)``, ...) or a name
+            ("first_block", "pab", "taylorseer"); None = off. Composes with sparse attention
+            and with ``ParallelManager`` (see ``liteboost.cache``).
+        cache_threshold: first-block cache threshold for ``cache="first_block"``.
 
     Raises:
         UnsupportedModelError: nothing in ``model_or_pipeline`` is supported; lists what is.
-        ValueError: a setting is out of range (the message names it and what is allowed).
+        ValueError: a setting is out of range (the message names it and what is allowed), or a
+            component is already boosted by another BoostManager.
     """
 
     def __init__(
@@ -83,7 +122,15 @@ class BoostManager:
         *,
         block_size: int = 128,
         sparse_kernel: str | None = None,
+        cache: object | None = None,
+        cache_threshold: float | None = None,
     ) -> None:
+        is_module = isinstance(model_or_pipeline, torch.nn.Module)
+        self.cache = (
+            None
+            if cache is None
+            else cache_config(cache, None if is_module else model_or_pipeline, cache_threshold)
+        )
         self.config = BoostConfig(
             sparsity=sparsity,
             rope_cache=rope_cache,
@@ -96,8 +143,17 @@ class BoostManager:
         targets = [(name, m, plan) for name, m, plan in targets if plan is not None]
         if not targets:
             raise unsupported(model_or_pipeline, "boost", supported_boosts())
-        for name, module, plan in targets:
-            self.handles[name] = plan(module, self.config)
+        for name, module, _ in targets:
+            _refuse_boosted(name, module)
+        try:
+            for name, module, plan in targets:
+                handle = _BoostedComponent(module, [plan(module, self.config)])
+                self.handles[name] = handle
+                if self.cache is not None and hasattr(module, "enable_cache"):
+                    handle.parts.append(apply_cache(module, self.cache))
+        except BaseException:
+            self.remove()
+            raise
 
     @property
     def boosted(self) -> list[str]:

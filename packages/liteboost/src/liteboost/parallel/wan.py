@@ -27,6 +27,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState, StateManager
 
 from liteboost.attention.processor import BoostedWanAttnProcessor
+from liteboost.cache import composes_with_sequence_parallel
 from liteboost.models.wan import _attach, _detach, _state, _UlyssesBlockHook
 from liteboost.parallel.sequence import SequenceParallel
 
@@ -201,6 +202,19 @@ def parallelize_transformer(model, config) -> WanParallelHandle | None:
         raise ValueError(
             f"cfg_degree={config.cfg_degree}: {type(config.pipeline).__name__} has no "
             "do_classifier_free_guidance; CFG parallel supports diffusers' Wan pipelines"
+        )
+    cached = getattr(model, "_liteboost_cache", None)
+    if sequence and cached is not None and not composes_with_sequence_parallel(cached):
+        raise ValueError(
+            f"the transformer's {type(cached).__name__} decides from data each sequence-parallel "
+            "rank holds only a shard of; remove that cache before ulysses_degree/ring_degree > 1"
+        )
+    sparsity = getattr(getattr(model, "_liteboost_state", None), "settings", None)
+    sparsity = getattr(sparsity, "sparsity", 0.0)
+    if config.ring_degree > 1 and sparsity > 0:
+        raise ValueError(
+            f"ring_degree={config.ring_degree} on a transformer boosted with sparsity={sparsity}: "
+            "ring attention is dense; use sparsity=0, or ulysses_degree instead of a ring"
         )
     handle = WanParallelHandle(model, sequence=sequence, cfg=cfg)
     if sequence:

@@ -1,0 +1,183 @@
+"""Step caching through diffusers' own cache hooks, made to compose with liteboost's parallelism.
+
+diffusers ships the caches (``diffusers.hooks``: first-block cache, Pyramid Attention Broadcast,
+TaylorSeer, MagCache, ...) and attaches them with ``CacheMixin.enable_cache``; liteboost does not
+reimplement any of them. What composing needs:
+
+- Sparse attention and the boosted processor: nothing. The caches hook blocks or attention
+  modules and either run them (our processor inside) or reuse an earlier output.
+- CFG parallel: each rank runs one branch; the caches keep one state per ``cache_context`` name,
+  so a rank's "cond" state evolves exactly as in a single process.
+- Ulysses and Ring: every rank holds a shard of the tokens. Caches that decide by step count or
+  timestep (PAB, TaylorSeer, MagCache with calibrated ratios) make the same decision on every
+  rank. First-block cache decides from the data: the relative L1 change of the first block's
+  residual. On a shard that is a different number on every rank, and ranks that disagree would
+  deadlock in the next all-to-all. So liteboost replaces that one decision, per hook instance,
+  by the same ratio over the whole sequence: sums of ``|r - r_prev|`` and ``|r_prev|`` over the
+  rank's real tokens (padding excluded), all-reduced over the sequence-parallel group.
+  Caches that decide from data in ways liteboost has not made group-wide (SeaCache, MagCache
+  calibration) are refused under sequence parallelism instead of deadlocking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_FBC_HEAD_HOOK = "fbc_leader_block_hook"
+CACHE_NAMES = ("first_block", "pab", "taylorseer", "mag")
+
+
+def cache_config(cache: object, pipeline: object | None = None, threshold: float | None = None):
+    """A diffusers cache config from a config object or a short name.
+
+    Args:
+        cache: a diffusers cache config (``FirstBlockCacheConfig(...)``, ...) used as given, or
+            one of ``CACHE_NAMES``: "first_block" (``FirstBlockCacheConfig``), "pab"
+            (``PyramidAttentionBroadcastConfig`` on self-attention, every other step between
+            timesteps 100 and 800), "taylorseer" (``TaylorSeerCacheConfig`` defaults).
+            "mag" needs calibrated ratios, so only a ``MagCacheConfig`` object is accepted.
+        pipeline: the pipeline, for caches that read the current timestep.
+        threshold: first-block cache threshold (default diffusers' 0.05).
+
+    Raises:
+        ValueError: an unknown name, or a timestep-driven cache without a pipeline.
+    """
+    from diffusers.hooks import (
+        FirstBlockCacheConfig,
+        PyramidAttentionBroadcastConfig,
+        TaylorSeerCacheConfig,
+    )
+
+    if not isinstance(cache, str):
+        if threshold is not None:
+            raise ValueError("cache_threshold applies to cache='first_block' only")
+        return cache
+    if cache == "first_block":
+        return FirstBlockCacheConfig(threshold=0.05 if threshold is None else threshold)
+    if threshold is not None:
+        raise ValueError(f"cache_threshold applies to cache='first_block', not {cache!r}")
+    if cache == "pab":
+        if pipeline is None:
+            raise ValueError(
+                "cache='pab' reads the pipeline's current timestep: pass the pipeline, or a "
+                "PyramidAttentionBroadcastConfig with current_timestep_callback"
+            )
+        return PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(100, 800),
+            current_timestep_callback=lambda: pipeline.current_timestep,
+        )
+    if cache == "taylorseer":
+        return TaylorSeerCacheConfig()
+    if cache == "mag":
+        raise ValueError(
+            "cache='mag' needs the model's calibrated magnitude ratios: pass "
+            "diffusers.hooks.MagCacheConfig(mag_ratios=..., num_inference_steps=...)"
+        )
+    raise ValueError(
+        f"cache={cache!r}; use one of {', '.join(CACHE_NAMES[:3])} or a diffusers cache config"
+    )
+
+
+def composes_with_sequence_parallel(config: object) -> bool:
+    """Whether every rank of a sequence-parallel group makes the same caching decisions."""
+    name = type(config).__name__
+    if name == "MagCacheConfig":
+        return not getattr(config, "calibrate", False)
+    return name in {
+        "FirstBlockCacheConfig",
+        "PyramidAttentionBroadcastConfig",
+        "TaylorSeerCacheConfig",
+        "TextKVCacheConfig",
+    }
+
+
+def sequence_parallel_of(model: torch.nn.Module):
+    """The model's liteboost sequence-parallel exchange, None when it runs on one rank."""
+    from liteboost.parallel.sequence import SequenceParallel
+
+    state = getattr(model, "_liteboost_state", None)
+    sp = getattr(getattr(state, "settings", None), "ulysses", None)
+    return sp if isinstance(sp, SequenceParallel) else None
+
+
+def check_composes(model: torch.nn.Module, config: object | None) -> None:
+    """Refuse a cache whose decisions would differ between sequence-parallel ranks."""
+    if config is None or sequence_parallel_of(model) is None:
+        return
+    if not composes_with_sequence_parallel(config):
+        raise ValueError(
+            f"{type(config).__name__} decides from data each rank holds only a shard of, and "
+            "liteboost does not make that decision group-wide: with Ulysses or Ring use "
+            "FirstBlockCacheConfig, PyramidAttentionBroadcastConfig, TaylorSeerCacheConfig or "
+            "MagCacheConfig with calibrated ratios"
+        )
+
+
+def _group_wide_first_block_decision(hook, model: torch.nn.Module) -> Callable:
+    """Replacement for ``FBCHeadBlockHook._should_compute_remaining_blocks`` (see module doc)."""
+    single = hook._should_compute_remaining_blocks
+
+    @torch.compiler.disable
+    def should_compute(residual: torch.Tensor) -> bool:
+        sp = sequence_parallel_of(model)
+        if sp is None:
+            return single(residual)
+        state = hook.state_manager.get_state()
+        previous = state.head_block_residual
+        if previous is None:
+            return True
+        context = model._liteboost_state.context
+        real = min(max(context.seq_len - sp.rank * context.shard_len, 0), residual.shape[1])
+        sums = torch.stack(
+            [
+                (residual[:, :real] - previous[:, :real]).abs().sum(),
+                previous[:, :real].abs().sum(),
+            ]
+        ).double()
+        dist.all_reduce(sums, group=sp.group)
+        return (sums[0] / sums[1]).item() > hook.threshold
+
+    return should_compute
+
+
+@dataclass
+class CacheHandle:
+    """Undoes :func:`apply_cache`."""
+
+    model: Any
+    config: Any
+
+    def remove(self) -> None:
+        if getattr(self.model, "_liteboost_cache", None) is self.config:
+            del self.model._liteboost_cache
+        self.model.disable_cache()
+
+
+def apply_cache(model: torch.nn.Module, config: object) -> CacheHandle:
+    """``model.enable_cache(config)`` plus the group-wide first-block decision.
+
+    Raises:
+        TypeError: the model has no ``enable_cache`` (not a diffusers CacheMixin model).
+        ValueError: the cache does not compose with the model's sequence parallelism.
+    """
+    if not hasattr(model, "enable_cache"):
+        raise TypeError(f"{type(model).__name__} has no diffusers cache support (enable_cache)")
+    check_composes(model, config)
+    model.enable_cache(config)
+    if type(config).__name__ == "FirstBlockCacheConfig":
+        from diffusers.hooks import HookRegistry
+
+        for block in model.blocks[:1]:
+            hook = HookRegistry.check_if_exists_or_initialize(block).get_hook(_FBC_HEAD_HOOK)
+            if hook is not None:
+                hook._should_compute_remaining_blocks = _group_wide_first_block_decision(
+                    hook, model
+                )
+    model._liteboost_cache = config
+    return CacheHandle(model, config)
