@@ -14,8 +14,6 @@ import torch.distributed as dist
 import mccl
 from npu_core.dist import launch
 
-pytestmark = pytest.mark.distributed
-
 
 def _collectives_after_async_init() -> dict:
     handle = mccl.init_process_group("gloo")
@@ -46,6 +44,7 @@ def _collectives_after_async_init() -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_correct_after_async_init(world_size):
     """all_reduce, all_gather, broadcast and barrier give the stock results; gates are removed."""
@@ -82,6 +81,7 @@ def _collective_before_ready() -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_collective_before_ready_blocks_then_succeeds():
     """init returns at once; the first all_reduce waits for the late rank and is correct."""
     first, second = launch(_collective_before_ready, 2, backend=None, timeout=120)
@@ -108,6 +108,7 @@ def _init_with_absent_rank(absent: int, init_timeout: float) -> dict | None:
     return {"missing": None}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("world_size", "absent"), [(3, 2), (2, 0)])
 def test_absent_rank_gives_timeout_error_naming_it(world_size, absent):
     """A rank that never arrives is named in InitTimeoutError within init_timeout, no hang."""
@@ -130,6 +131,7 @@ def _failing_init(backend: str) -> dict:
     return {"type": None}
 
 
+@pytest.mark.distributed
 def test_background_failure_is_reraised_at_first_use():
     """An exception in the init thread surfaces in the main thread with the worker's frames.
 
@@ -168,6 +170,7 @@ def _groups_before_ready() -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_new_group_before_ready_is_created_in_order():
     """Sub-groups requested before init completes are created, in order, once it has."""
     results = launch(_groups_before_ready, 3, backend=None, timeout=120)
@@ -187,6 +190,7 @@ def _device_mesh_before_ready() -> list[float]:
     return [t.item(), mesh.size()]
 
 
+@pytest.mark.distributed
 def test_device_mesh_waits_for_async_init():
     """DeviceMesh (and so FSDP2) built right after async init waits and works."""
     assert launch(_device_mesh_before_ready, 2, backend=None, timeout=120) == [[1.0, 2], [1.0, 2]]
@@ -204,6 +208,7 @@ def _sync_fallback(use_env: bool) -> tuple[bool, float]:
     return handle.is_async, t.item()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("use_env", [False, True])
 def test_sync_fallback_is_stock_blocking_path(use_env):
     """async_init=False or MCCL_ASYNC_INIT=0 initialises before returning."""

@@ -10,9 +10,8 @@ from typer.testing import CliRunner
 from mccl.bench import StartupBenchConfig, measure_startup, results_table
 from mccl.cli import app
 
-pytestmark = pytest.mark.distributed
 
-
+@pytest.mark.distributed
 def test_startup_bench_measures_both_paths_with_device_init():
     """Both paths include the simulated device init; mccl overlaps it with initialisation."""
     cfg = StartupBenchConfig(ranks=(2,), rounds=3, calibration_rounds=1, device_init_ms=300.0)
@@ -26,6 +25,7 @@ def test_startup_bench_measures_both_paths_with_device_init():
     assert result.overlap_ratio < 1.5
 
 
+@pytest.mark.distributed
 def test_results_table_writes_json_and_markdown(tmp_path):
     """The table carries the settings and one row per world size."""
     cfg = StartupBenchConfig(ranks=(2,), rounds=1, calibration_rounds=1, device_init_ms=10.0)

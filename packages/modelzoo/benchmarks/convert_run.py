@@ -15,17 +15,18 @@ import os
 import tempfile
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import torch
 from rich.progress import track
 
 from modelzoo import registry
 from modelzoo.build import build_model
 from modelzoo.convert import convert
+from modelzoo.env import force_offline
 from modelzoo.examples.base import ExportWrapper, example_for
 from modelzoo.runner import run
 from npu_core.bench import BenchTable, compare
+
+force_offline()  # modelzoo imports transformers / diffusers only when it builds a model
 
 
 def bench_card(name: str, repeats: int) -> dict:

@@ -1,5 +1,5 @@
-import os
+"""Shared set-up of modelzoo's tests: no test may reach the hub."""
 
-# No test may reach the hub: transformers and diffusers raise instead of downloading.
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
+from modelzoo.env import force_offline
+
+force_offline()  # before any test imports transformers or diffusers
