@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import os
+import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from hyperparallel import env
+from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
 from hyperparallel.models.parallelize import parse_mesh
-from hyperparallel.train.checkpoint import CheckpointError
+from hyperparallel.train.checkpoint import CheckpointError, has_checkpoints
 from hyperparallel.train.config import TrainConfig, load_config
 from hyperparallel.train.outdir import prepare_out_dir
 from hyperparallel.train.presets import PRESETS
@@ -35,7 +37,7 @@ def _rank_main(cfg: TrainConfig, resume: bool):
 
     from hyperparallel.train.trainer import train_rank
 
-    if os.environ.get("RANK", "0") != "0":
+    if not env.is_rank_zero():
         return train_rank(cfg, resume)
     columns = (
         TextColumn("[bold]train"),
@@ -74,6 +76,10 @@ def train(
     ] = None,
     mesh: Annotated[str | None, typer.Option(help="'fsdp' or 'RxS' for HSDP, e.g. '2x2'.")] = None,
     steps: Annotated[int | None, typer.Option(help="Total optimizer steps.")] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds a collective waits for a peer before failing the run."),
+    ] = None,
     data: Annotated[
         str | None, typer.Option(help="Text file or folder (default: Python's stdlib).")
     ] = None,
@@ -107,11 +113,12 @@ def train(
     Writes OUT_DIR/metrics.json, OUT_DIR/loss.png and DCP checkpoints in OUT_DIR/checkpoints.
     """
     if preset not in PRESETS:
-        raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        _refuse(f"--preset {preset!r}: unknown; choose one of {', '.join(PRESETS)}")
     flags = {
         "parallel.nproc": nproc,
         "parallel.mesh": mesh,
         "steps": steps,
+        "parallel.timeout_s": timeout,
         "data.path": data,
         "out_dir": out_dir,
         "activation.policy": activation,
@@ -129,20 +136,21 @@ def train(
         cfg = load_config(PRESETS[preset](), config, overrides)
         if not is_torchrun():  # under torchrun the world size is known only to the ranks
             parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc)
-        prepare_out_dir(
-            Path(cfg.out_dir),
-            resume=resume,
-            overwrite=overwrite,
-            remove=os.environ.get("RANK", "0") == "0",
-        )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        _check_data(cfg)
+        out = Path(cfg.out_dir)
+        if resume and not overwrite and not has_checkpoints(out / "checkpoints"):
+            raise ValueError(
+                f"--resume: no checkpoint under {out / 'checkpoints'}; run without --resume "
+                "to start a new run"
+            )
+        prepare_out_dir(out, resume=resume, overwrite=overwrite, remove=env.is_rank_zero())
+    except (ValueError, FileNotFoundError) as exc:
+        _refuse(str(exc))
     try:
         results = run(_rank_main, cfg.parallel.nproc, cfg, resume, timeout=24 * 3600, backend=None)
     except CheckpointError as exc:  # a fact about the user's files: one line, not a traceback
-        console.print(f"error: {exc}")
-        raise typer.Exit(2) from None
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
+        _refuse(str(exc))
+    if not env.is_rank_zero():  # under torchrun, rank 0 alone reports
         return
     first = results[0]
     if first.train_losses:
@@ -161,6 +169,27 @@ def train(
     console.print(
         f"wrote {cfg.out_dir}/metrics.json, {cfg.out_dir}/loss.png, {cfg.out_dir}/checkpoints"
     )
+
+
+def _refuse(message: str) -> None:
+    """One line on stderr and exit 2: bad input is the user's to fix, a traceback would hide it."""
+    if env.is_rank_zero():
+        typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    """Read the corpus once before ranks start: a missing, empty, binary or too-small source is
+    refused here instead of in every rank after start-up (binary files inside a folder are
+    skipped with one warning line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        ByteBatches(
+            read_corpus(cfg.data.path, cfg.data.max_bytes), cfg.data.seq_len, cfg.data.val_fraction
+        )
+    for warning in caught:
+        if env.is_rank_zero():
+            typer.echo(f"warning: {warning.message}", err=True)
 
 
 def main() -> None:

@@ -71,19 +71,3 @@ def test_checkpoint_from_before_manifests_still_loads(tmp_path):
     assert checkpoint.verify(legacy) is None
     (legacy / ".metadata").unlink()
     assert "missing" in checkpoint.verify(legacy)
-
-
-@pytest.mark.distributed
-def test_cli_resume_with_only_damaged_checkpoints_is_one_line_and_exit_2(tmp_path):
-    """The CLI names each damaged checkpoint in one error line instead of a rank traceback."""
-    from typer.testing import CliRunner
-
-    from hyperparallel.cli import app
-
-    (_fake_checkpoint(tmp_path / "checkpoints", 5) / ".metadata").unlink()
-    args = ["train", "--preset", "debug", "--nproc", "2", "--out-dir", str(tmp_path), "--resume"]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output
-    text = " ".join(result.output.split())
-    assert "error: no checkpoint under" in text and "step_0000005" in text
-    assert "Traceback" not in result.output

@@ -1,4 +1,5 @@
-"""The `hyperparallel train` command line: validation before any rank starts, and a tiny run."""
+"""The `hyperparallel train` command line: a tiny run, and the same under torchrun (refusals:
+`test_failure_behaviour.py`)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,6 @@ import pytest
 from typer.testing import CliRunner
 
 from hyperparallel.cli import app
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--preset", "huge"], "unknown preset 'huge'"),
-        (["--set", "model.n_heads=3"], "model: Value error, n_heads=3"),
-        (["--set", "optim.lr=1"], "optim.lr: Extra inputs are not permitted"),
-        (["--steps", "0"], "steps: Input should be greater than or equal to 1"),
-        (["--mesh", "3x3", "--nproc", "4"], "3 x 3 ranks != world size 4"),
-    ],
-)
-def test_bad_configuration_is_refused_naming_the_field(args, message):
-    """Invalid settings fail at once with the field and the rule, before spawning ranks."""
-    result = CliRunner().invoke(app, ["train", *args])
-    assert result.exit_code != 0
-    assert message in " ".join(result.output.replace("│", " ").split())  # rich wraps in a box
 
 
 @pytest.mark.distributed

@@ -7,7 +7,10 @@ resumed run draws exactly the batches the uninterrupted run would have.
 
 from __future__ import annotations
 
+import os
 import sysconfig
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,9 +27,13 @@ def read_corpus(source: str | Path | None = None, max_bytes: int = 8_000_000) ->
     """Read up to ``max_bytes`` of text from a file, a folder (its text files, sorted), or the
     standard library (``source=None``).
 
+    A file that looks binary (a NUL byte in its first 8 KiB, git's test) is refused when named
+    directly and skipped with a warning inside a folder: training on bytes of an archive or an
+    image runs without error and learns nothing useful, so it must not pass silently.
+
     Raises:
         FileNotFoundError: ``source`` does not exist.
-        ValueError: it holds no text, or too little to train on.
+        ValueError: it is binary, holds no text, or too little to train on.
     """
     if source is None:
         root, suffixes = stdlib_root(), (".py",)
@@ -34,18 +41,29 @@ def read_corpus(source: str | Path | None = None, max_bytes: int = 8_000_000) ->
         root, suffixes = Path(source), TEXT_SUFFIXES
         if not root.exists():
             raise FileNotFoundError(f"--data {root}: no such file or folder")
-    files = (
-        [root]
-        if root.is_file()
-        else sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
-    )
-    chunks, size = [], 0
+    files = [root] if root.is_file() else _text_files(root, suffixes)
+    chunks, size, binary = [], 0, []
     for path in files:
         data = path.read_bytes()
+        if _looks_binary(data):
+            if path == root:
+                raise ValueError(
+                    f"--data {root}: a binary file (NUL byte at offset {data.index(0)}); "
+                    "pass a text file or a folder of text files"
+                )
+            binary.append(path)
+            continue
         chunks.append(data[: max_bytes - size])
         size += len(chunks[-1])
         if size >= max_bytes:
             break
+    if binary:
+        warnings.warn(
+            f"--data {root}: skipped {len(binary)} binary file(s): {binary[0]}"
+            + (f" and {len(binary) - 1} more" if len(binary) > 1 else ""),
+            RuntimeWarning,
+            stacklevel=2,
+        )
     corpus = b"".join(chunks)
     if len(corpus) < 4096:
         raise ValueError(
@@ -53,6 +71,20 @@ def read_corpus(source: str | Path | None = None, max_bytes: int = 8_000_000) ->
             f"folders are searched for {', '.join(suffixes)} files)"
         )
     return corpus
+
+
+def _text_files(folder: Path, suffixes: tuple[str, ...]) -> Iterator[Path]:
+    """Files with ``suffixes`` under ``folder`` in sorted-path order, walked lazily: reading stops
+    at ``max_bytes``, and listing the whole standard library first took seconds."""
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.is_dir():
+            yield from _text_files(Path(entry.path), suffixes)
+        elif entry.is_file() and Path(entry.name).suffix in suffixes:
+            yield Path(entry.path)
+
+
+def _looks_binary(data: bytes) -> bool:
+    return 0 in data[:8192]
 
 
 class ByteBatches:

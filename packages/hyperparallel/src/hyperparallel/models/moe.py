@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import nn
 
+from hyperparallel._config import StrictModel
 
-class MoEConfig(BaseModel):
+
+class MoEConfig(StrictModel):
     """Model shape; every field is a ``--set model.<field>=...`` override of the train CLI."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     vocab_size: int = Field(256, ge=2, description="Tokens in the vocabulary (256 for bytes).")
     dim: int = Field(128, ge=8, description="Hidden size.")

@@ -104,6 +104,11 @@ def verify(folder: Path) -> str | None:
     return None
 
 
+def has_checkpoints(root: Path) -> bool:
+    """Whether ``root`` holds any step folder (intact or not; :func:`latest` tells which loads)."""
+    return root.is_dir() and any(_STEP_FOLDER.fullmatch(p.name) for p in root.iterdir())
+
+
 def latest(root: Path) -> Path | None:
     """The newest checkpoint under ``root`` whose files match its manifest, or None.
 

@@ -10,14 +10,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from hyperparallel._config import StrictModel as _Strict
 from hyperparallel.activation.policy import POLICY_NAMES
 from hyperparallel.models.moe import MoEConfig
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DataConfig(_Strict):
@@ -108,6 +105,21 @@ class TrainConfig(_Strict):
     out_dir: str = Field("runs/train", description="Checkpoints, metrics.json and loss.png.")
     seed: int = Field(0, description="Seed of weights and data order (same on every rank).")
 
+    @model_validator(mode="after")
+    def _fits_model(self) -> TrainConfig:
+        # Found here, before ranks start, rather than as a ValueError in the first forward.
+        if len(self.activation.per_block) > self.model.n_layers:
+            raise ValueError(
+                f"activation.per_block lists {len(self.activation.per_block)} policies but "
+                f"model.n_layers={self.model.n_layers}; give at most one per block"
+            )
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
+            )
+        return self
+
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
@@ -142,7 +154,7 @@ def load_config(
             raise ValueError(f"--config {path}: no such file")
         try:
             _merge(tree, tomllib.loads(path.read_text()))
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -152,8 +164,19 @@ def load_config(
     try:
         return TrainConfig.model_validate(tree)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"invalid configuration: {problems}") from None
+        raise ValueError(f"invalid configuration: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """``key.path: rule (got value)`` for each error, joined by ``; ``."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(map(str, error["loc"]))
+        message = error["msg"].removeprefix("Value error, ")
+        got = error.get("input")
+        shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
+        parts.append(f"{where}: {message}{shown}" if where else message)
+    return "; ".join(parts)
 
 
 def _merge(tree: dict[str, Any], update: dict[str, Any]) -> None:

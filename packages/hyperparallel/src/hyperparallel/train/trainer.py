@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mccl
+from hyperparallel import env
 from hyperparallel.activation import ActivationTracker, SwapSchedule
 from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
 from hyperparallel.models.moe import MoETransformer
@@ -73,15 +74,13 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     mccl.init_process_group(
         comm_backend(backend).value, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s)
     )
-    device = device_for_rank(int(os.environ.get("LOCAL_RANK", 0)), backend)
+    device = device_for_rank(env.local_rank(), backend)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = MoETransformer(cfg.model).to(device)
-    data = ByteBatches(
-        read_corpus(cfg.data.path, cfg.data.max_bytes),
-        cfg.data.seq_len,
-        cfg.data.val_fraction,
-        cfg.seed,
-    )
+    with warnings.catch_warnings():  # skipped binary files: the CLI reported them once
+        warnings.simplefilter("ignore", RuntimeWarning)
+        corpus = read_corpus(cfg.data.path, cfg.data.max_bytes)
+    data = ByteBatches(corpus, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
     rank, world = dist.get_rank(), dist.get_world_size()  # waits for mccl here
     act = cfg.activation
     policies = [*act.per_block, *[act.policy] * cfg.model.n_layers][: cfg.model.n_layers]
@@ -178,7 +177,7 @@ def _resume(root: Path, model: torch.nn.Module, optimizers: tuple, steps: int) -
     if isinstance(found, str):
         raise checkpoint.CheckpointError(found)
     if found is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {root}")
+        raise checkpoint.CheckpointError(f"--resume: no checkpoint under {root}")
     start = checkpoint.load(found, model, optimizers)
     if start >= steps:
         raise checkpoint.CheckpointError(

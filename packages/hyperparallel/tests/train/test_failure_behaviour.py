@@ -1,0 +1,277 @@
+"""Faults and bad input to ``hyperparallel train``: what the user sees, and that nothing is lost.
+
+Every case asserts the exit code, the one-line message and that no file was written or lost.
+Refusals happen before any rank starts; faults during a run (a killed rank, a signal, a damaged
+checkpoint) stop every rank and leave the last complete checkpoint resumable. The README's
+"Failure behaviour" section is written from this module. Related unit tests: manifests and
+fall-back in ``test_checkpoint_integrity.py``, the out-dir rules in ``test_out_dir.py``, the
+launcher's own signal handling in npu-core's ``test_launch.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hyperparallel.cli import app
+from hyperparallel.data.stdlib_bytes import read_corpus
+from hyperparallel.train import checkpoint
+from hyperparallel.train.config import load_config
+from hyperparallel.train.presets import debug
+from hyperparallel.train.trainer import train_rank
+from npu_core.dist import RankExitedError, launch
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, ["train", "--preset", "debug", "--nproc", "2", *args])
+
+
+def _lines(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.strip()]
+
+
+def _text_folder(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.txt").write_text("plain text for training. " * 400)
+    return folder
+
+
+def _binary_file(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"PK\x03\x04\x00\x00" + bytes(range(256)) * 40)  # a zip's header, NULs
+    return path
+
+
+# (case id, extra arguments (``{tmp}`` is the test's folder), expected one-line message)
+REFUSED = [
+    ("unknown preset", ["--preset", "huge"], "--preset 'huge': unknown; choose one of"),
+    ("bad model shape", ["--set", "model.n_heads=3"], "model: n_heads=3 must divide dim=32"),
+    ("unknown key", ["--set", "optim.lr=1"], "optim.lr: Extra inputs are not permitted"),
+    ("zero steps", ["--steps", "0"], "steps: Input should be greater than or equal to 1"),
+    ("mesh vs world", ["--mesh", "3x3"], "3 x 3 ranks != world size 2"),
+    ("bool as int", ["--set", "data.batch_size=true"], "data.batch_size: True is a boolean"),
+    ("bool as float", ["--set", "optim.muon_lr=false"], "optim.muon_lr: False is a boolean"),
+    ("nan lr", ["--set", "optim.muon_lr=nan"], "optim.muon_lr: Input should be a finite number"),
+    ("negative timeout", ["--timeout", "-1"], "parallel.timeout_s: Input should be greater than 0"),
+    ("infinite timeout", ["--timeout", "inf"], "parallel.timeout_s: Input should be a finite"),
+    (
+        "seq_len above the model's",
+        ["--set", "data.seq_len=64"],
+        "data.seq_len=64 exceeds model.max_seq_len=32",
+    ),
+    (
+        "per-block list too long",
+        ["--set", "activation.per_block=['save','save']"],
+        "activation.per_block lists 2 policies but model.n_layers=1",
+    ),
+    ("missing data", ["--data", "{tmp}/nope"], "--data {tmp}/nope: no such file or folder"),
+    ("empty data file", ["--data", "{tmp}/empty.txt"], "only 0 bytes of text found"),
+    ("data folder without text", ["--data", "{tmp}/emptydir"], "only 0 bytes of text found"),
+    ("binary data file", ["--data", "{tmp}/blob.bin"], "a binary file (NUL byte at offset 4)"),
+    ("missing config", ["--config", "{tmp}/nope.toml"], "--config {tmp}/nope.toml: no such file"),
+    ("binary config", ["--config", "{tmp}/blob.bin"], "not valid TOML"),
+    ("resume without checkpoint", ["--resume"], "--resume: no checkpoint under"),
+    ("resume and overwrite", ["--resume", "--overwrite"], "exclude each other"),
+    ("unwritable out-dir", ["--out-dir", "{tmp}/empty.txt/run"], "cannot be written"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_bad_input_is_refused_before_ranks_start(tmp_path, snapshot, args, message):
+    """Exit 2, one ``error:`` line naming the argument, the value and what is allowed; no
+    traceback, and the folder the run would write to is neither created nor changed."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "emptydir").mkdir()
+    _binary_file(tmp_path / "blob.bin")
+    before = snapshot(tmp_path)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "--out-dir" not in args:
+        args += ["--out-dir", str(tmp_path / "run")]
+    result = _invoke(*args)
+    assert result.exit_code == 2, result.output
+    lines = _lines(result)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert snapshot(tmp_path) == before
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags", [[], ["--resume", "--overwrite"]], ids=["no flag", "both"])
+def test_an_earlier_run_is_never_mixed_into(tmp_path, earlier_run, snapshot, flags):
+    """A folder holding a run is refused without --resume / --overwrite; files are unchanged."""
+    before = earlier_run(tmp_path)
+    result = _invoke("--out-dir", str(tmp_path), *flags)
+    assert result.exit_code == 2
+    assert len(_lines(result)) == 1
+    expected = "exclude each other" if flags else "already holds a run (metrics.json, checkpoints)"
+    assert expected in result.output
+    assert snapshot(tmp_path) == before
+
+
+def test_binary_file_inside_a_data_folder_is_skipped_with_one_warning(tmp_path, earlier_run):
+    """A folder's binary file is named in one warning line (before the next check refuses the
+    occupied out-dir here); the corpus holds only the text files."""
+    data = _text_folder(tmp_path / "data")
+    blob = _binary_file(data / "image.json")
+    earlier_run(tmp_path / "out")
+    result = _invoke("--data", str(data), "--out-dir", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    warning, error = _lines(result)
+    assert warning == f"warning: --data {data}: skipped 1 binary file(s): {blob}"
+    assert error.startswith("error: --out-dir")
+    with pytest.warns(RuntimeWarning, match="skipped 1 binary file"):
+        assert read_corpus(data) == (data / "a.txt").read_bytes()
+
+
+# ---- faults during a run (real gloo ranks) ------------------------------------------------------
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(debug(), overrides=[f"out_dir={str(tmp_path)!r}", *overrides])
+
+
+def _train_then_die(cfg, die_at_step: int):
+    from hyperparallel.data.stdlib_bytes import ByteBatches
+
+    original = ByteBatches.train_batch
+
+    def train_batch(self, step, *args, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1 and step == die_at_step:
+            os._exit(9)  # a rank lost mid-run (OOM killer, node failure)
+        return original(self, step, *args, **kwargs)
+
+    ByteBatches.train_batch = train_batch
+    return train_rank(cfg, False)
+
+
+@pytest.mark.distributed
+def test_killed_rank_stops_the_run_and_resume_uses_last_checkpoint(tmp_path):
+    """A rank dying mid-run fails the job promptly naming it; resume restarts from the last
+    checkpoint."""
+    cfg = _cfg(tmp_path, "checkpoint_every=5", "parallel.timeout_s=30")
+    with pytest.raises(RankExitedError, match="rank 1 exited with code 9"):
+        launch(_train_then_die, 2, cfg, 12, backend=None, timeout=120)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000010"
+    resumed = launch(train_rank, 2, cfg, True, backend=None, timeout=300)[0]
+    assert resumed.first_step == 10
+
+
+@pytest.mark.distributed
+def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """A truncated shard in the newest checkpoint: resume warns, starts from the one before and
+    then reproduces the uninterrupted run's losses exactly."""
+    full = launch(
+        train_rank, 2, _cfg(tmp_path / "full", "steps=12"), False, backend=None, timeout=300
+    )
+    part = _cfg(tmp_path / "part", "steps=10", "checkpoint_every=5")
+    launch(train_rank, 2, part, False, backend=None, timeout=300)
+    shard = next((tmp_path / "part" / "checkpoints" / "step_0000010").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    rest = launch(
+        train_rank, 2, _cfg(tmp_path / "part", "steps=12"), True, backend=None, timeout=300
+    )
+    assert rest[0].first_step == 5
+    assert rest[0].train_losses == full[0].train_losses[5:]
+
+
+@pytest.mark.distributed
+def test_only_damaged_checkpoints_is_one_line_and_exit_2(tmp_path, snapshot):
+    """The CLI names each damaged checkpoint in one error line instead of a rank traceback."""
+    folder = tmp_path / "checkpoints" / "step_0000005"
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"\1" * 64)
+    checkpoint._write_manifest(folder)
+    (folder / "__0_0.distcp").write_bytes(b"\1" * 10)
+    before = snapshot(tmp_path)
+    result = _invoke("--out-dir", str(tmp_path), "--resume")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "error: no checkpoint under" in text and "step_0000005" in text
+    assert "has 10 bytes, 64 were written" in text
+    assert "Traceback" not in result.output
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.distributed
+def test_resume_with_nothing_left_to_train_says_so(tmp_path):
+    """--resume with steps at or below the checkpoint's step is an error, not a silent exit."""
+    launch(train_rank, 2, _cfg(tmp_path, "steps=5"), False, backend=None, timeout=300)
+    with pytest.raises(
+        checkpoint.CheckpointError, match="is at step 5, and steps=5 leaves nothing to train"
+    ):
+        launch(train_rank, 2, _cfg(tmp_path, "steps=5"), True, backend=None, timeout=300)
+
+
+@pytest.mark.distributed
+def test_resume_with_a_changed_model_names_the_mismatch(tmp_path):
+    """A checkpoint of another model shape is refused as such, not with a DCP size traceback."""
+    launch(train_rank, 2, _cfg(tmp_path, "steps=3"), False, backend=None, timeout=300)
+    wider = _cfg(tmp_path, "steps=6", "model.ffn_dim=96")
+    with pytest.raises(checkpoint.CheckpointError, match="does not fit this model"):
+        launch(train_rank, 2, wider, True, backend=None, timeout=300)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux /proc), to count what a signal leaves behind."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="counts processes via /proc")
+@pytest.mark.parametrize("signame", ["SIGTERM", pytest.param("SIGHUP", marks=pytest.mark.slow)])
+def test_signal_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, signame):
+    """SIGTERM / SIGHUP to a training CLI: exit 128 + signal, no rank or forkserver left
+    running, and the newest checkpoint written before the signal is intact."""
+    command = [sys.executable, "-m", "hyperparallel.cli", "train", "--preset", "debug"]
+    command += ["--nproc", "2", "--steps", "2000", "--set", "checkpoint_every=2"]
+    command += ["--out-dir", str(tmp_path)]
+    parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "checkpoints" / "latest").exists():
+            assert parent.poll() is None, f"train exited early with {parent.returncode}"
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.2)
+        processes = _descendants(parent.pid)
+        assert len(processes) >= 3  # forkserver and two ranks
+        signum = getattr(signal, signame)
+        parent.send_signal(signum)
+        assert parent.wait(timeout=30) == 128 + signum
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in processes if _alive(pid)], "processes outlived the CLI"
+    newest = checkpoint.latest(tmp_path / "checkpoints")
+    assert newest is not None and checkpoint.verify(newest) is None
