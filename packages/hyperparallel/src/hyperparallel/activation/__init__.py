@@ -4,6 +4,12 @@ a schedulable task (also inside pipeline schedules), and an exact saved-bytes re
 
 from hyperparallel.activation.checkpoint import checkpoint, checkpoint_wrapper, swap_wrapper
 from hyperparallel.activation.exclude import checkpoint_exclude_wrapper
+from hyperparallel.activation.observers import ObservedRegion, RegionObserver
+from hyperparallel.activation.pipeline import (
+    EarlyRecompute1F1B,
+    EarlyRecomputeDualPipeV,
+    PairedRecompute,
+)
 from hyperparallel.activation.policy import (
     MATMUL_OPS,
     POLICY_NAMES,
@@ -22,8 +28,6 @@ from hyperparallel.activation.report import (
     ActivationTracker,
     track_saved_activations,
 )
-from hyperparallel.activation.observers import ObservedRegion, RegionObserver
-from hyperparallel.activation.pipeline import EarlyRecompute1F1B
 from hyperparallel.activation.schedule import RecomputeHandle, RecomputeSession
 from hyperparallel.activation.swap import SwapSchedule
 
@@ -34,12 +38,14 @@ __all__ = [
     "ActivationTracker",
     "CheckpointPolicy",
     "EarlyRecompute1F1B",
+    "EarlyRecomputeDualPipeV",
     "ObservedRegion",
+    "PairedRecompute",
     "PolicyContext",
     "PolicyFn",
     "RecomputeHandle",
-    "RegionObserver",
     "RecomputeSession",
+    "RegionObserver",
     "SwapSchedule",
     "checkpoint",
     "checkpoint_exclude_wrapper",
