@@ -2,7 +2,7 @@
 
 diffusers: ``WanRotaryPosEmbed.forward`` builds the per-token tables every transformer forward
 (float64 on CPU), and ``WanAttnProcessor`` rotates q and k with strided slices in that float64.
-liteboost: tables built once and cached (fp32 complex), rotation as one complex multiply in fp32.
+liteboost: tables built once and cached (fp32), rotation in real fp32 arithmetic (no complex).
 Table building is reported apart from the rotation, fp32 and bf16 activations.
 
     python packages/liteboost/benchmarks/rope.py --out DIR
@@ -47,8 +47,8 @@ def _bench_dtype(dtype, rope, latent, tables, repeats, table) -> None:
         return _diffusers_rotate(q, cos, sin), _diffusers_rotate(k, cos, sin)
 
     def boosted():
-        freqs = rope_tables(HEAD_DIM, GRID).freqs  # cache hit after the first call
-        return apply_rope(q, freqs), apply_rope(k, freqs)
+        t = rope_tables(HEAD_DIM, GRID)  # cache hit after the first call
+        return apply_rope(q, t.pair_cos, t.pair_sin), apply_rope(k, t.pair_cos, t.pair_sin)
 
     result = compare(stock, boosted, repeats=repeats)
     diff = (stock()[0].float() - boosted()[0].float()).abs().max().item()
@@ -62,7 +62,9 @@ def _bench_dtype(dtype, rope, latent, tables, repeats, table) -> None:
     )
     cos, sin = rope(latent)
     rot = compare(
-        lambda: _diffusers_rotate(q, cos, sin), lambda: apply_rope(q, tables.freqs), repeats=repeats
+        lambda: _diffusers_rotate(q, cos, sin),
+        lambda: apply_rope(q, tables.pair_cos, tables.pair_sin),
+        repeats=repeats,
     )
     table.add(
         case="rotate only (tables prebuilt)",

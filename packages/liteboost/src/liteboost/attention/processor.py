@@ -2,9 +2,9 @@
 
 Installed with ``WanAttention.set_processor`` (diffusers' own extension point), it computes what
 ``diffusers.models.transformers.transformer_wan.WanAttnProcessor`` computes, with three swaps:
-RoPE from cached complex tables, self-attention through block-sparse attention (or the dense
-backend chain), and, under Ulysses, an all-to-all around self-attention. Cross-attention (text
-and the I2V image branch) always runs dense and unsharded.
+RoPE from cached fp32 tables in real arithmetic, self-attention through block-sparse attention
+(or the dense backend chain), and, under Ulysses, an all-to-all around self-attention.
+Cross-attention (text and the I2V image branch) always runs dense and unsharded.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _rotate_diffusers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 def _rotate(x: torch.Tensor, rotary_emb) -> torch.Tensor:
     if isinstance(rotary_emb, RopeTables):
-        return apply_rope(x, rotary_emb.freqs)
+        return apply_rope(x, rotary_emb.pair_cos, rotary_emb.pair_sin)
     return _rotate_diffusers(x, *rotary_emb)
 
 

@@ -56,15 +56,14 @@ class _CachedRopeHook(ModelHook):
 
 
 def _pad_rotary(rotary, total: int):
+    if isinstance(rotary, RopeTables):
+        return rotary.padded(total)
     cos, sin = rotary[0], rotary[1]
     if cos.shape[1] >= total:
         return rotary
     extra = total - cos.shape[1]
     cos = torch.cat([cos, cos.new_zeros(1, extra, *cos.shape[2:])], dim=1)
     sin = torch.cat([sin, sin.new_zeros(1, extra, *sin.shape[2:])], dim=1)
-    if isinstance(rotary, RopeTables):
-        freqs = torch.cat([rotary.freqs, rotary.freqs.new_zeros(extra, *rotary.freqs.shape[1:])])
-        return RopeTables(cos, sin, freqs)
     return (cos, sin)
 
 
