@@ -111,15 +111,3 @@ def wan_variant_inputs():
 def tiny_i2v() -> dict:
     """Config overrides that make the tiny transformer a Wan2.1 I2V model."""
     return dict(TINY_I2V)
-
-
-@pytest.fixture
-def tiny_inputs_factory():
-    """``tiny_inputs(grid, batch, seed)``: inputs of the tiny Wan transformer (picklable)."""
-    return tiny_inputs
-
-
-@pytest.fixture
-def tiny_variant_inputs_factory():
-    """``tiny_variant_inputs(variant, grid, batch, seed)``: I2V / TI2V inputs."""
-    return tiny_variant_inputs

@@ -179,14 +179,12 @@ def _check(results, transformer_keys, pipe_layouts, cache_cases) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("world", [2, 4])
-def test_hybrid_layouts_equal_single_process(
-    world, tiny_inputs_factory, tiny_variant_inputs_factory
-):
+def test_hybrid_layouts_equal_single_process(world, wan_inputs, wan_variant_inputs):
     """Ulysses, Ring, Ulysses x Ring, CFG x both, caches on them and spatial VAE == 1 process."""
     cases = {
-        "even": tiny_inputs_factory((3, 4, 4), batch=2),
-        "uneven": tiny_inputs_factory((1, 5, 7), batch=2),  # 35 tokens: padding on 2 and 4 ranks
-        "ti2v": tiny_variant_inputs_factory("ti2v", grid=(1, 5, 7)),
+        "even": wan_inputs((3, 4, 4), batch=2),
+        "uneven": wan_inputs((1, 5, 7), batch=2),  # 35 tokens: padding on 2 and 4 ranks
+        "ti2v": wan_variant_inputs("ti2v", grid=(1, 5, 7)),
     }
     if world == 2:
         layouts = [(2, 1), (1, 2)]
