@@ -67,6 +67,24 @@ def test_validate_refuses_what_is_not_a_card_file(files, name, expected):
     _refused(["validate", str(files / name)], files, expected.format(root=files))
 
 
+def test_convert_without_out_is_refused(files):
+    """--out is required: one line naming it."""
+    _refused(["convert", EXPORT_CARD, "--tiny"], files, "out: Field required")
+
+
+def test_run_takes_settings_from_config_file_and_set(tmp_path):
+    """--config FILE.toml and --set reach the same fields as the options."""
+    settings = tmp_path / "run.toml"
+    settings.write_text("tiny = true\nboost = false\n")
+    result = CliRunner().invoke(
+        app, ["run", "bge-reranker-v2-m3", "--config", str(settings), "--set", "dtype=float32"]
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["tiny"] is True and out["dtype"] == "float32"
+    assert out["liteboost"] == {"applied": False, "reason": "disabled"}
+
+
 def test_validate_checks_every_file_before_reading_any(files):
     """A good card next to a missing one is not registered: nothing is read until all pass."""
     good = files / "my-card.yaml"
@@ -83,7 +101,11 @@ def test_validate_checks_every_file_before_reading_any(files):
         (["--path", "{root}/nowhere"], "--path '{root}/nowhere' does not exist"),
         (["--tiny", "--path", "{root}/empty"], "--tiny builds random weights and would ignore"),
         ([], "give --tiny (random weights, offline) or --path DIR"),
-        (["--tiny", "--dtype", "int8"], "--dtype 'int8' is not one of bfloat16, float16, float32"),
+        (["--tiny", "--dtype", "int8"], "dtype: Input should be 'float32', 'bfloat16' or"),
+        (["--tiny", "--nproc", "0"], "nproc: Input should be greater than or equal to 1"),
+        (["--tiny", "--set", "nproc=true"], "nproc: a boolean is not a number (got True)"),
+        (["--tiny", "--set", "nprocs=2"], "nprocs: Extra inputs are not permitted"),
+        (["--config", "{root}/none.toml"], "--config {root}/none.toml: no such file"),
         (["--tiny", "--nproc", "2", "--path", "{root}/empty"], "--tiny builds random weights"),
     ],
 )

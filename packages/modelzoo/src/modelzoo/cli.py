@@ -22,9 +22,11 @@ from rich.table import Table
 
 from modelzoo import registry
 from modelzoo.checks import InputError, check_card_file, check_source
+from modelzoo.options import ConvertOptions, RunOptions
 from modelzoo.schema import Category, ModelCard, Status
 from modelzoo.table import render_markdown, update_readme
 from modelzoo.validate import CardError
+from npu_core.cli import config_options
 
 app = typer.Typer(
     help="Model cards for 100 current models; convert and run the 'full' ones.\n\n"
@@ -119,28 +121,10 @@ def validate(
 
 
 @app.command()
+@config_options(ConvertOptions)
 def convert(
     name: Annotated[str, typer.Argument(help="Card id of a full card.")],
-    out: Annotated[Path, typer.Option(help="Output directory for the artefact + manifest.")],
-    tiny: Annotated[bool, typer.Option(help="Tiny random-weight model, offline.")] = False,
-    path: Annotated[
-        Path | None, typer.Option(help="Local model directory (without --tiny).")
-    ] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
-    trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow hub code (never implied).")
-    ] = False,
-    overwrite: Annotated[
-        bool,
-        typer.Option(help="Replace a previous conversion in --out (only its files)."),
-    ] = False,
-    mfusion: Annotated[
-        bool,
-        typer.Option(
-            help="Also compile the exported program with Inductor and the card's mfusion "
-            "options, check it against eager and record what mfusion did in the manifest."
-        ),
-    ] = False,
+    config: ConvertOptions,
 ) -> None:
     """Convert a full card's model (torch.export .pt2 or safetensors) and write a manifest.
 
@@ -152,18 +136,10 @@ def convert(
     from modelzoo.convert import convert as run_convert
 
     card = _card(name)
+    settings = config.model_dump()
     try:
         with console.status(f"converting {name}"):
-            manifest = run_convert(
-                card,
-                out,
-                tiny=tiny,
-                path=path,
-                dtype=dtype,
-                trust_remote_code=trust_remote_code,
-                overwrite=overwrite,
-                mfusion=mfusion,
-            )
+            manifest = run_convert(card, settings.pop("out"), **settings)
     except (LibraryMissingError, FileNotFoundError, ValueError) as exc:
         raise _fail(exc) from None
     console.print(json.dumps(manifest, indent=2, default=str))
@@ -177,27 +153,10 @@ def _rank_run(card: ModelCard, kwargs: dict) -> dict:
 
 
 @app.command()
+@config_options(RunOptions)
 def run(
     name: Annotated[str, typer.Argument(help="Card id of a full card.")],
-    tiny: Annotated[bool, typer.Option(help="Tiny random-weight model, offline.")] = False,
-    path: Annotated[
-        Path | None, typer.Option(help="Local model directory (without --tiny).")
-    ] = None,
-    nproc: Annotated[
-        int, typer.Option(min=1, help="Local ranks (liteboost Ulysses / VAE DP).")
-    ] = 1,
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
-    prompt: Annotated[str, typer.Option(help="Prompt when a tokenizer is in --path.")] = (
-        "The capital of France is"
-    ),
-    boost: Annotated[bool, typer.Option(help="Apply the card's liteboost options.")] = True,
-    trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow hub code (never implied).")
-    ] = False,
-    mfusion: Annotated[
-        bool,
-        typer.Option(help="Compile the model with Inductor and the card's mfusion options."),
-    ] = False,
+    config: RunOptions,
 ) -> None:
     """Run a full card's inference example and print its result as JSON.
 
@@ -205,29 +164,20 @@ def run(
     `modelzoo run qwen3-8b --path ./Qwen3-8B --prompt "Hello"` (real weights, local files only).
     """
     card = _card(name)
-    kwargs = {
-        "tiny": tiny,
-        "path": None if path is None else str(path),
-        "dtype": dtype,
-        "boost": boost,
-        "trust_remote_code": trust_remote_code,
-        "mfusion": mfusion,
-        "prompt": prompt,
-    }
-    from modelzoo.build import LibraryMissingError, resolve_dtype
+    kwargs = config.model_dump(exclude={"nproc"})
+    kwargs["path"] = None if config.path is None else str(config.path)
+    from modelzoo.build import LibraryMissingError
 
     try:
         # Checked here as well as in each rank, so that a bad input starts no rank.
         if card.example is None or card.convert is None:
             raise InputError(f"{card.id} is a listed card: it has no runnable example")
-        if dtype is not None:
-            resolve_dtype(dtype)
-        check_source(card, tiny=tiny, path=path)
-        if nproc > 1:
+        check_source(card, tiny=config.tiny, path=config.path)
+        if config.nproc > 1:
             from npu_core.dist import launch
 
-            results = launch(_rank_run, nproc, card, kwargs, timeout=1800.0)
-            result = {**results[0], "nproc": nproc}
+            results = launch(_rank_run, config.nproc, card, kwargs, timeout=1800.0)
+            result = {**results[0], "nproc": config.nproc}
         else:
             from modelzoo.runner import run as run_example
 

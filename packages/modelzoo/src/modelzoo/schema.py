@@ -10,7 +10,9 @@ import enum
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from npu_core.config import StrictConfig
 
 
 class Category(enum.StrEnum):
@@ -45,8 +47,8 @@ class Task(enum.StrEnum):
     VIDEO_DENOISE = "video-denoise"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(StrictConfig):
+    """Unknown keys refused, frozen, ``true`` refused for numbers (npu_core's config base)."""
 
 
 class Parallelism(_Strict):
