@@ -4,7 +4,9 @@
 (b) the common workaround: every rank gathers every whole matrix (``full_tensor()``), runs NS on
     all of them, and keeps its own rows;
 (c) hyperparallel Muon: each matrix orthogonalised once in the job, packed gathers, overlap.
-Plus a batched-NS micro-benchmark: the strategy ``orthogonalize`` picks versus a plain loop.
+Plus a batched-NS micro-benchmark: the strategy ``orthogonalize`` picks versus a plain loop, and
+the mesh layouts (FSDP 4, HSDP 2x2, ep=2 x dp_shard=2): NS FLOPs per rank against an even share,
+and the step with the scatter / replica sums overlapped with NS or waited for at once.
 Newton-Schulz computes in the dtype ``ns_dtype="auto"`` picks on the machine (bf16 where bf16
 GEMMs are native, fp32 elsewhere); torch.optim.Muon always computes in bf16. Run it once as is and
 once with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to see an AVX2-only CPU.
@@ -22,12 +24,14 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from hyperparallel.models.parallelize import build_mesh
 from hyperparallel.optim import Muon
 from hyperparallel.optim import newton_schulz as ns
+from hyperparallel.optim.distributed import ShardedNewtonSchulz
 from hyperparallel.optim.plan import shard_rows
 from npu_core.bench import BenchTable, compare
 from npu_core.dist import launch
@@ -182,6 +186,123 @@ def _step_table() -> BenchTable:
     return table
 
 
+# layout -> (mesh shape, mesh dim names, dense placements, expert placements)
+LAYOUTS = {
+    "fsdp 4": ((4,), ("dp_shard",), [Shard(0)], [Shard(0)]),
+    "hsdp 2x2": (
+        (2, 2),
+        ("dp_replicate", "dp_shard"),
+        [Replicate(), Shard(0)],
+        [Replicate(), Shard(0)],
+    ),
+    "ep=2 x dp_shard=2": (
+        (2, 2),
+        ("ep", "dp_shard"),
+        [Replicate(), Shard(0)],
+        [Shard(0), Shard(0)],
+    ),
+}
+LAYOUT_BATCH_BYTES = 2**18
+"""Small communication batches (256 KiB of whole matrices per owner), so that there are several
+batches whose communication can overlap NS."""
+
+
+def _layout_rank(layout: str) -> dict:
+    shape, names, dense, experts = LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = MixedModel(experts=True)
+    params = [
+        nn.Parameter(distribute_tensor(p.detach(), mesh, experts if p.ndim == 3 else dense))
+        for p in model.parameters()
+    ]
+    grads = [distribute_tensor(torch.randn(p.shape), mesh, p.placements) for p in params]
+    flops = [0, 0]  # all NS this rank ran, and the expert part of it
+
+    variants = {}
+    for name, overlap in (("scatter overlapped", True), ("scatter waited", False)):
+        opt = Muon(params, lr=0.02)
+
+        def counted(matrices, opt=opt, overlap=overlap):
+            if overlap:  # count one variant's work: both do the same
+                for m in matrices:
+                    count = m.shape[0] if m.ndim == 3 else 1
+                    flops[0] += count * _ns_flops(m.shape[-2], m.shape[-1])
+                    flops[1] += count * _ns_flops(m.shape[-2], m.shape[-1]) if m.ndim == 3 else 0
+            return opt.orthogonalize_matrices(matrices)
+
+        opt._engine = ShardedNewtonSchulz(counted, batch_bytes=LAYOUT_BATCH_BYTES, overlap=overlap)
+        variants[name] = opt
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for repeat in range(REPEATS + 1):
+        for name, opt in variants.items():
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if repeat:
+                times[name].append(elapsed.item())
+        if repeat == 0:
+            first_step_flops, expert_flops = flops
+    total = sum(
+        (p.shape[0] if p.ndim == 3 else 1) * _ns_flops(p.shape[-2], p.shape[-1]) for p in params
+    )
+    engine = variants["scatter overlapped"]._engine
+    # Before 0.3.0 every rank orthogonalised all its local experts (each replica the same ones).
+    local_experts = sum(
+        p.to_local().shape[0] * _ns_flops(p.shape[-2], p.shape[-1]) for p in params if p.ndim == 3
+    )
+    return {
+        "times": times,
+        "flops": first_step_flops,
+        "flops_before": first_step_flops - expert_flops + local_experts,
+        "total": total,
+        "batches": max(len(plan.batches) for plan in engine._plans.values()),
+    }
+
+
+def _layout_table() -> BenchTable:
+    table = BenchTable(
+        f"Muon step over mesh layouts, {WORLD} CPU ranks, dense + experts model (median of "
+        f"{REPEATS}, slowest rank)",
+        [
+            "layout",
+            "NS GFLOP / rank (max)",
+            "max / (total / world)",
+            "same, experts per replica (before 0.3.0)",
+            "comm batches",
+            "step ms, scatter waited",
+            "step ms, scatter overlapped",
+            "waited / overlapped",
+        ],
+    )
+    for layout in LAYOUTS:
+        ranks = launch(_layout_rank, WORLD, layout, timeout=1200)
+        times = ranks[0]["times"]
+        waited, overlapped = times["scatter waited"], times["scatter overlapped"]
+        ratios = [w / o for w, o in zip(waited, overlapped, strict=True)]
+        flops = max(r["flops"] for r in ranks)
+        table.add(
+            layout=layout,
+            **{
+                "NS GFLOP / rank (max)": flops / 1e9,
+                "max / (total / world)": flops / (ranks[0]["total"] / WORLD),
+                # ep layouts were refused before 0.3.0 (expert placements on two dims)
+                "same, experts per replica (before 0.3.0)": None
+                if layout.startswith("ep")
+                else max(r["flops_before"] for r in ranks) / (ranks[0]["total"] / WORLD),
+                "comm batches": ranks[0]["batches"],
+                "step ms, scatter waited": statistics.median(waited) * 1e3,
+                "step ms, scatter overlapped": statistics.median(overlapped) * 1e3,
+                "waited / overlapped": statistics.median(ratios),
+            },
+        )
+    return table
+
+
 def _batching_table() -> BenchTable:
     table = BenchTable(
         "Batched Newton-Schulz on one CPU process: chosen strategy versus a plain loop",
@@ -215,8 +336,17 @@ def _batching_table() -> BenchTable:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results/hyperparallel", help="Output folder.")
+    tables = {
+        "muon_step": _step_table,
+        "ns_batching": _batching_table,
+        "muon_layouts": _layout_table,
+    }
+    parser.add_argument(
+        "--tables", nargs="+", choices=list(tables), default=list(tables), help="Tables to run."
+    )
     args = parser.parse_args()
-    for name, table in (("muon_step", _step_table()), ("ns_batching", _batching_table())):
+    for name in args.tables:
+        table = tables[name]()
         table.write(args.out, name)
         print(table.to_markdown())
 
