@@ -31,6 +31,18 @@ def test_equals_plain_head_values_and_gradients(chunk_rows: int, bias: bool):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_softcap_matches_capped_logits():
+    h, w, b, t = _inputs(40, 16, 33, bias=True)
+    cap = 3.0
+    ref = F.cross_entropy(cap * torch.tanh(F.linear(h, w, b) / cap), t)
+    ref_grads = torch.autograd.grad(ref, (h, w, b))
+    out = chunked_linear_cross_entropy(h, w, t, b, chunk_rows=9, softcap=cap)
+    grads = torch.autograd.grad(out, (h, w, b))
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_leading_shape_and_all_ignored():
     h, w, _, t = _inputs(24, 8, 11, bias=False)
     h3, t3 = h.detach().reshape(2, 12, 8).requires_grad_(), t.reshape(2, 12)
@@ -84,6 +96,7 @@ def test_logits_are_never_kept_whole():
         ({"target": torch.zeros(4)}, TypeError, "integer class indices"),
         ({"chunk_rows": 0}, ValueError, "chunk_rows must be >= 1"),
         ({"weight": torch.zeros(5, 3)}, ValueError, "hidden size"),
+        ({"softcap": 0.0}, ValueError, "softcap must be positive"),
     ],
 )
 def test_bad_inputs_are_named(kwargs, error, match):

@@ -32,6 +32,7 @@ def chunked_linear_cross_entropy(
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target``, chunked.
 
@@ -42,6 +43,8 @@ def chunked_linear_cross_entropy(
         bias: optional ``[V]`` head bias.
         chunk_rows: tokens per chunk (memory vs. GEMM size).
         ignore_index: targets with this value contribute neither loss nor gradient.
+        softcap: logits become ``softcap * tanh(logits / softcap)`` first (Gemma's final
+            logit soft-capping); None leaves them alone.
 
     Returns:
         A scalar: the mean over non-ignored targets (0 with a zero gradient if all are ignored).
@@ -60,9 +63,11 @@ def chunked_linear_cross_entropy(
         raise TypeError(f"target must hold integer class indices, got {target.dtype}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
     loss: Tensor = _ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), chunk_rows,
-        ignore_index,
+        ignore_index, softcap,
     )  # fmt: skip
     return loss
 
@@ -77,6 +82,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         target: Tensor,
         chunk_rows: int,
         ignore_index: int,
+        softcap: float | None,
     ) -> Tensor:
         valid = target != ignore_index
         count = int(valid.sum())
@@ -94,6 +100,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (h @ weight.T).float()
             if bias is not None:
                 logits += bias.float()
+            if softcap is not None:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
             safe_t = torch.where(keep, t, 0)
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe_t[:, None]).squeeze(1)
@@ -102,6 +111,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = torch.exp_(logits.sub_(lse[:, None]))
             grad_logits[torch.arange(len(t), device=t.device), safe_t] -= 1.0
             grad_logits *= (keep * scale)[:, None]
+            if softcap is not None:  # chain rule through softcap * tanh(z / softcap)
+                grad_logits *= 1.0 - capped.square_()
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
@@ -123,6 +134,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden * grad_output.to(grad_hidden.dtype) if need_hidden else None,
             (grad_weight * grad_output).to(weight_dtype) if need_weight else None,
             (grad_bias * grad_output).to(bias_dtype) if need_bias and bias_dtype else None,
+            None,
             None,
             None,
             None,

@@ -1,0 +1,137 @@
+"""Three transformers families on FSDP2 (2 gloo ranks) with hyperparallel's Muon + AdamW,
+against the single-process model stepped by torch.optim.Muon and torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from hyperparallel.models.hf import CausalLM
+from hyperparallel.optim.hybrid import get_hyper_optimizer
+from npu_core.dist import launch
+
+SHAPE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 32,
+}
+FAMILIES = {
+    "dense": ("Qwen3Config", {}),
+    "moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    ),
+    "mla-moe": (
+        "DeepseekV3Config",
+        {
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "moe_intermediate_size": 16, "first_k_dense_replace": 1, "n_shared_experts": 1,
+            "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+            "v_head_dim": 8, "head_dim": 4,  # MLA: RoPE on qk_rope_head_dim
+        },
+    ),
+}  # fmt: skip
+MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+AUX_WEIGHT = 0.01
+
+
+def _wrapped(family: str) -> CausalLM:
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
+    return CausalLM(transformers.AutoModelForCausalLM.from_config(config), chunk_rows=7)
+
+
+def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(64, (4, 16), generator=gen), torch.randint(64, (4, 16), generator=gen)
+
+
+def _fsdp_step(family: str) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One FSDP2 step on this rank's half of the global batch: (mean loss, grads, new params)."""
+    model = _wrapped(family)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = get_hyper_optimizer(
+        model,
+        muon={**MUON, "adjust_lr": "original", "ns_dtype": "bf16"},
+        adamw=ADAMW,
+        classify=model.classify,
+    )
+    tokens, targets = _global_batch()
+    rank = dist.get_rank()
+    ce, aux = model(tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+    (ce + AUX_WEIGHT * aux).backward()
+    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    opt.step()
+    loss = ce.detach().clone()
+    dist.all_reduce(loss)
+    params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    return loss.item() / 2, grads, params
+
+
+def _single_process(family: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss over the global batch and the data-parallel gradient (mean of the halves' losses)."""
+    model = _wrapped(family)
+    tokens, targets = _global_batch()
+    halves = [model(tokens[i : i + 2], targets[i : i + 2]) for i in (0, 2)]
+    (sum(ce + AUX_WEIGHT * aux for ce, aux in halves) / 2).backward()
+    full_ce = torch.nn.functional.cross_entropy(
+        model.model(input_ids=tokens).logits.flatten(0, 1), targets.flatten()
+    )
+    return full_ce.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _torch_step(family: str, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The initial weights stepped with ``grads`` by torch.optim.Muon and torch.optim.AdamW."""
+    model = _wrapped(family)
+    routing = model.routing()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    # torch.optim.Muon takes 2-D matrices only: each expert of a stack is its own matrix.
+    views, leaves = [], []
+    for name in routing.muon:
+        stack, grad = params[name], grads[name]
+        if stack.ndim == 2:
+            stack, grad = stack[None], grad[None]
+        for view, g in zip(stack.unbind(0), grad.unbind(0), strict=True):
+            leaf = view.clone().requires_grad_()
+            leaf.grad = g
+            views.append(view)
+            leaves.append(leaf)
+    torch.optim.Muon(leaves, adjust_lr_fn="original", **MUON).step()
+    for view, leaf in zip(views, leaves, strict=True):
+        view.copy_(leaf.detach())  # writes back into the stacks
+    adamw = [params[n].requires_grad_() for n in routing.adamw]
+    for p, name in zip(adamw, routing.adamw, strict=True):
+        p.grad = grads[name]
+    torch.optim.AdamW(adamw, **ADAMW).step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fsdp2_step_equals_single_process_and_torch_optimizers(family: str):
+    want_loss, want_grads = _single_process(family)
+    results = launch(_fsdp_step, 2, family, timeout=240)
+    for loss, grads, params in results:
+        # same model, same global batch: the first-step loss and gradients of 2 ranks
+        assert abs(loss - want_loss) < 1e-4
+        assert grads.keys() == want_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        # the distributed update equals torch's optimizers on the gathered matrices
+        want = _torch_step(family, grads)
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-6, msg=name)
