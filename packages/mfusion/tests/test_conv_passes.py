@@ -100,6 +100,7 @@ def test_transposed_and_1d_convolutions_untouched(harness):
     assert record.rewritten("patch_conv") == 0 and not record.refused("patch_conv")
 
 
+@pytest.mark.slow
 def test_compiled_patch_embedding_matches_eager(harness):
     """Through torch.compile: Inductor lowers the emitted unfold/permute/addmm and the permuted
     NCHW view feeds flatten + transpose + LayerNorm like in a ViT."""

@@ -7,7 +7,9 @@ README documents, torch_npu itself, and an import graph read from the source wit
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
+import logging
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,9 @@ import torch
 
 import mfusion
 from mfusion import PASS_REGISTRY
-from mfusion.backends.registry import BACKEND_REGISTRY, backend_class
+from mfusion.backends.registry import BACKEND_REGISTRY, BACKENDS, backend_class, select_backend
 from mfusion.passes.manager import build_pass
+from npu_core.plugins import DeviceDtype, PluginError
 
 TESTS = Path(__file__).parent
 SOURCE = Path(mfusion.__file__).parent
@@ -43,6 +46,7 @@ def test_every_pass_has_a_test_that_runs_it():
 
 def test_backends_are_the_documented_ones_with_their_own_tables():
     assert set(BACKEND_REGISTRY) == {"inductor", "mlir-cpu", "npu"}
+    assert list(BACKENDS.names()) == ["npu", "inductor", "mlir-cpu"]  # preference order
     for name in ("inductor", "mlir-cpu", "npu"):
         cls = backend_class(name)
         assert cls.name == name and cls.table.backend == name
@@ -53,6 +57,8 @@ def test_unknown_names_are_clear_errors():
         build_pass("fold")
     with pytest.raises(ValueError, match="backend 'tpu' is not known"):
         backend_class("tpu")
+    with pytest.raises(ValueError, match="backend='tpu' is not known; use one of: auto, "):
+        mfusion.MFusionConfig(backend="tpu")
 
 
 def test_emit_refuses_ops_inductor_cannot_lower():
@@ -84,10 +90,46 @@ def test_auto_backend_is_npu_exactly_where_torch_npu_sees_a_device():
     assert MFusionConfig().resolved_backend() == expected
 
 
+def test_backend_choice_follows_the_plugin_rule_and_is_logged(caplog):
+    """auto = first installed backend accepting the device; mlir-cpu only when named; a named
+    backend that cannot run is an error saying why; each choice is logged once."""
+    npu = BACKENDS.get("npu")
+    fake_npu = dataclasses.replace(npu, installed=lambda: None, constraints=DeviceDtype())
+    BACKENDS.register(fake_npu, replace=True)  # an NPU that is "there" (and clears the log)
+    try:
+        with caplog.at_level(logging.INFO, logger="npu_core.plugins"):
+            assert select_backend("auto") == "npu"
+        assert "mfusion kernel backend npu" in caplog.text
+    finally:
+        BACKENDS.register(npu, replace=True)
+    torch_mlir_there = importlib.util.find_spec("torch_mlir") is not None
+    assert select_backend("auto") == ("npu" if _npu_device_visible() else "inductor")
+    if torch_mlir_there:
+        assert select_backend("mlir-cpu") == "mlir-cpu"
+    mlir = BACKENDS.get("mlir-cpu")
+    BACKENDS.register(dataclasses.replace(mlir, installed=lambda: "no JIT here"), replace=True)
+    try:
+        with pytest.raises(PluginError, match=r"'mlir-cpu' cannot run this call: .*no JIT here"):
+            select_backend("mlir-cpu")
+        assert select_backend("auto") != "mlir-cpu"
+    finally:
+        BACKENDS.register(mlir, replace=True)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:`` (never executed)."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"):
+            yield from (n for stmt in child.orelse for n in [stmt, *_runtime_nodes(stmt)])
+            continue
+        yield child
+        yield from _runtime_nodes(child)
+
+
 def _imports(path: Path, module: str) -> set[str]:
     """mfusion modules imported anywhere in ``path`` (top level or inside functions)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -143,7 +185,12 @@ def test_no_import_cycles_between_modules():
 def test_config_is_a_leaf_and_the_registry_is_data():
     graph = _module_graph()
     assert graph["mfusion.passes.registry"] == set()
-    assert graph["mfusion.config"] <= {"mfusion.machine", "mfusion.passes.registry"}
+    assert graph["mfusion.config"] <= {
+        "mfusion.machine",
+        "mfusion.passes.registry",
+        "mfusion.backends.registry",
+    }
+    assert graph["mfusion.backends.registry"] == set()
     assert graph["mfusion.machine"] == set()
 
 
@@ -154,7 +201,11 @@ def test_the_cycle_detector_finds_a_planted_cycle(tmp_path):
     (pkg / "__init__.py").write_text("from mfusion.a import x\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from mfusion.sub.b import x\n")
-    (pkg / "sub" / "b.py").write_text("def f():\n    from mfusion.a import y\n")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mfusion.c import z\n"
+        "def f():\n    from mfusion.a import y\n"
+    )
+    (pkg / "c.py").write_text("from mfusion.sub.b import f\n")
     graph = _module_graph(pkg)
     assert graph["mfusion.sub.b"] == {"mfusion.a"}
     assert _cycles(_without_package_init(graph)) == [["mfusion.a", "mfusion.sub.b", "mfusion.a"]]

@@ -7,7 +7,8 @@ backend-aware automatic fusion; ``mfusion.report()`` says what was rewritten, re
 from importlib.metadata import PackageNotFoundError, version
 
 from mfusion.backends import mlir_cpu as _mlir_cpu  # noqa: F401  (registers mfusion::mlir_region)
-from mfusion.config import BackendName, MFusionConfig, PatchConvPolicy
+from mfusion.backends.registry import BackendName
+from mfusion.config import MFusionConfig, PatchConvPolicy
 from mfusion.install import compile_options, enabled, install, is_installed, uninstall
 from mfusion.machine import MachineProfile
 from mfusion.passes.manager import MFusionPassManager

@@ -1,15 +1,23 @@
-"""User-facing settings of mfusion, validated on construction, fingerprinted for Inductor."""
+"""User-facing settings of mfusion, validated on construction, fingerprinted for Inductor.
+
+A leaf module: it imports the machine profile and the pass and backend registries (data)
+only, so every other
+module can depend on it without an import cycle.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import hashlib
 import json
+from typing import Any
 
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from mfusion.backends.registry import BackendName, select_backend
 from mfusion.machine import MachineProfile
 from mfusion.passes.registry import PASS_REGISTRY
-from npu_core import detect_backend
+from npu_core.config import ConfigError, StrictConfig, describe_errors
 
 
 class PatchConvPolicy(enum.StrEnum):
@@ -25,107 +33,147 @@ class PatchConvPolicy(enum.StrEnum):
     """Keep every convolution."""
 
 
-class BackendName(enum.StrEnum):
-    """Kernel backends a fused region can be handed to."""
-
-    AUTO = "auto"
-    INDUCTOR = "inductor"
-    MLIR_CPU = "mlir-cpu"
-    NPU = "npu"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MFusionConfig:
+class MFusionConfig(StrictConfig):
     """Everything that changes what mfusion does to a graph.
 
-    Every field feeds :meth:`fingerprint`, which is part of the pass's ``uuid()``: flipping any of
-    them makes Inductor's FX graph cache miss instead of serving a graph built with old settings.
+    A strict, frozen pydantic model (``npu_core.config.StrictConfig``): unknown fields are
+    refused, so a misspelt option fails instead of silently running the defaults, and the model
+    can be loaded from TOML with ``--set field=value`` overrides (:meth:`load`). Every field feeds
+    :meth:`fingerprint`, which is part of the pass's ``uuid()``: flipping any of them makes
+    Inductor's FX graph cache miss instead of serving a graph built with old settings.
+
+    Raises:
+        ConfigError: (a ``ValueError``) one line naming each invalid field, its value and what
+            is allowed.
     """
 
-    backend: BackendName = BackendName.AUTO
-    """Kernel backend for auto-fused regions; ``auto`` picks ``npu`` when torch_npu sees a device,
-    else ``inductor`` (regions stay Inductor-lowerable)."""
+    backend: BackendName = Field(
+        BackendName.AUTO,
+        description="Kernel backend for auto-fused regions; 'auto' picks 'npu' when torch_npu "
+        "sees a device, else 'inductor' (regions stay Inductor-lowerable).",
+    )
+    passes: tuple[str, ...] | None = Field(
+        None,
+        description="Names of the hand-written passes to run, in order; None runs every "
+        "registered pass (mfusion.PASS_REGISTRY).",
+    )
+    auto_fuse: bool = Field(
+        True,
+        description="Plan fusion regions over the whole graph with the backend's capability "
+        "table and outline them for backends that generate their own kernels.",
+    )
+    rope_low_precision: bool = Field(
+        False,
+        description="Also rewrite RoPE in bf16/fp16. Off by default: the rewritten form rounds "
+        "differently from the eager chain of bf16 ops, so results drift from eager.",
+    )
+    absorb_matmul_casts: bool = Field(
+        True,
+        description="Let mm(a.float(), b.float()).to(bf16) run as a bf16 matmul (fp32 "
+        "accumulation, one rounding); changes low-order bits relative to the fp32 matmul.",
+    )
+    patch_conv: PatchConvPolicy = Field(
+        PatchConvPolicy.AUTO,
+        description="Where the patch_conv pass may rewrite: 'auto' (only where measured to pay), "
+        "'on' or 'off'.",
+    )
+    machine: MachineProfile | None = Field(
+        None,
+        description="The machine the machine-dependent rewrites (matmul_cast, patch_conv) decide "
+        "for; None detects this process's (CPU, ISA caps, threads). Tests pass a fixed profile.",
+    )
+    min_region_ops: int = Field(
+        2,
+        description="Smallest auto-fused region worth outlining (ops, not counting views). Not "
+        "a speed tuning: a one-op region is already one kernel.",
+    )
+    max_region_ops: int = Field(
+        64,
+        description="Largest auto-fused region; larger groups are split. Bounds the quadratic "
+        "split search and the JIT's compile time, not a measured speed threshold.",
+    )
 
-    passes: tuple[str, ...] | None = None
-    """Names of the hand-written passes to run, in order; ``None`` runs every default pass."""
-
-    auto_fuse: bool = True
-    """Plan fusion regions over the whole graph with the backend's capability table and outline
-    them for backends that generate their own kernels."""
-
-    rope_low_precision: bool = False
-    """Also rewrite RoPE in bf16/fp16. Off by default: the rewritten form rounds differently from
-    the eager chain of bf16 ops, so results drift from eager."""
-
-    absorb_matmul_casts: bool = True
-    """Let ``mm(a.float(), b.float()).to(bf16)`` run as a bf16 matmul (fp32 accumulation, one
-    rounding). Changes low-order bits relative to the fp32 matmul."""
-
-    patch_conv: PatchConvPolicy = PatchConvPolicy.AUTO
-    """Where the ``patch_conv`` pass may rewrite: ``auto`` (only where measured to pay),
-    ``on`` or ``off``; see :class:`PatchConvPolicy`."""
-
-    machine: MachineProfile | None = None
-    """The machine the machine-dependent rewrites (``matmul_cast``, ``patch_conv``) decide for;
-    None detects this process's (CPU, ISA caps, threads). Tests pass a fixed profile."""
-
-    min_region_ops: int = 2
-    """Smallest auto-fused region worth outlining (ops, not counting views). Not a speed tuning:
-    a one-op region is already one kernel, so outlining it never saves a pass over memory."""
-
-    max_region_ops: int = 64
-    """Largest auto-fused region; larger groups are split. Bounds the quadratic split search and
-    the JIT's compile time, not a measured speed threshold."""
-
-    def __post_init__(self) -> None:
+    def __init__(self, **data: Any) -> None:
+        # Direct construction (install(), compile_options()) gets the same one-line error as
+        # StrictConfig.load(), naming the field, the value and what is allowed.
         try:
-            object.__setattr__(self, "backend", BackendName(self.backend))
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid mfusion option: {describe_errors(exc)}") from None
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _known_backend(cls, value: Any) -> Any:
+        try:
+            return BackendName(value)
         except ValueError:
             allowed = ", ".join(b.value for b in BackendName)
-            raise ValueError(
-                f"backend={self.backend!r} is not known; use one of: {allowed}"
-            ) from None
+            raise ValueError(f"backend={value!r} is not known; use one of: {allowed}") from None
+
+    @field_validator("patch_conv", mode="before")
+    @classmethod
+    def _known_policy(cls, value: Any) -> Any:
         try:
-            object.__setattr__(self, "patch_conv", PatchConvPolicy(self.patch_conv))
+            return PatchConvPolicy(value)
         except ValueError:
             allowed = ", ".join(p.value for p in PatchConvPolicy)
+            raise ValueError(f"patch_conv={value!r} is not known; use one of: {allowed}") from None
+
+    @field_validator("machine", mode="before")
+    @classmethod
+    def _profile(cls, value: Any) -> Any:
+        if value is None or isinstance(value, MachineProfile):
+            return value
+        if isinstance(value, dict):  # from a TOML table
+            return MachineProfile(**value)
+        raise ValueError(f"machine={value!r} must be a mfusion.machine.MachineProfile or None")
+
+    @field_validator("passes", mode="before")
+    @classmethod
+    def _known_passes(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [value]
+        passes = tuple(value)
+        unknown = [p for p in passes if p not in PASS_REGISTRY]
+        if unknown:
             raise ValueError(
-                f"patch_conv={self.patch_conv!r} is not known; use one of: {allowed}"
-            ) from None
-        if self.machine is not None and not isinstance(self.machine, MachineProfile):
-            raise ValueError(
-                f"machine={self.machine!r} must be a mfusion.machine.MachineProfile or None"
+                f"passes={unknown} are not known; available passes: {sorted(PASS_REGISTRY)}"
             )
-        if self.passes is not None:
-            passes = tuple(self.passes)
-            unknown = [p for p in passes if p not in PASS_REGISTRY]
-            if unknown:
-                raise ValueError(
-                    f"passes={unknown} are not known; available passes: {sorted(PASS_REGISTRY)}"
-                )
-            object.__setattr__(self, "passes", passes)
+        return passes
+
+    @model_validator(mode="after")
+    def _region_bounds(self) -> MFusionConfig:
         if not 1 <= self.min_region_ops <= self.max_region_ops:
             raise ValueError(
                 f"need 1 <= min_region_ops <= max_region_ops, got {self.min_region_ops}, "
                 f"{self.max_region_ops}"
             )
+        return self
 
     def resolved_backend(self) -> BackendName:
-        """The concrete backend ``auto`` stands for on this machine."""
-        if self.backend != BackendName.AUTO:
-            return self.backend
-        return BackendName.NPU if detect_backend().value == "npu" else BackendName.INDUCTOR
+        """The concrete backend: ``auto`` resolved by the plug-in rule (``npu`` where torch_npu
+        sees a device, else ``inductor``), a named one checked to run here.
+
+        Raises:
+            PluginError: the named backend cannot run on this machine (says why).
+        """
+        return select_backend(self.backend)
 
     def resolved_machine(self) -> MachineProfile:
         """The injected profile, or this process's (detected now: threads may have changed)."""
         return self.machine if self.machine is not None else MachineProfile.detect()
 
     def fingerprint(self) -> str:
-        """Stable hash of every field, of what ``auto`` resolves to here and of the machine
-        profile the machine-dependent rewrites decide for."""
-        fields = dataclasses.asdict(self) | {
+        """Stable hash of every field (the base's canonical JSON of the validated values), of what
+        ``auto`` resolves to here and of the machine profile the machine-dependent rewrites
+        decide for. Extends :meth:`StrictConfig.fingerprint`, which sees the declared fields
+        only: ``machine=None`` means "this machine", which the base cannot tell apart."""
+        fields = {
+            "options": super().fingerprint(),
             "resolved_backend": self.resolved_backend().value,
             "machine": self.resolved_machine().fingerprint(),
         }
-        text = json.dumps(fields, sort_keys=True, default=str)
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()

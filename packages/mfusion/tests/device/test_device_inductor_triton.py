@@ -14,8 +14,6 @@ import mfusion
 from npu_core.bench import compare
 from npu_core.testing import requires_cuda
 
-pytestmark = [pytest.mark.device, requires_cuda]
-
 TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
     torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
@@ -51,6 +49,8 @@ def _triton_kernels(codes: list[str]) -> int:
     return sum(code.count("@triton.jit") for code in codes)
 
 
+@pytest.mark.device
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_mfusion_passes_fire_under_inductor_triton_and_match_eager(dtype, record_property):
     """One compiled CUDA graph: each pass rewrites its pattern (fp32), Inductor emits Triton

@@ -22,11 +22,6 @@ class KernelBackend(abc.ABC):
     name: str
     table: CapabilityTable
 
-    @classmethod
-    @abc.abstractmethod
-    def is_available(cls) -> bool:
-        """True if this backend can run on this machine."""
-
     @abc.abstractmethod
     def compile_region(self, region: OutlinedRegion, kind: RegionKind) -> RegionCall | str:
         """Compile ``region`` (a stand-alone graph module) or say why not."""

@@ -20,9 +20,5 @@ class InductorBackend(KernelBackend):
     name = "inductor"
     table = INDUCTOR_TABLE
 
-    @classmethod
-    def is_available(cls) -> bool:
-        return True
-
     def compile_region(self, region: OutlinedRegion, kind: RegionKind) -> RegionCall | str:
         return f"{kind.value} region left in place: Inductor emits its fused kernel"

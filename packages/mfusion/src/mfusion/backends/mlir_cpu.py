@@ -55,14 +55,6 @@ class MLIRCPUBackend(KernelBackend):
     name = "mlir-cpu"
     table = MLIR_CPU_TABLE
 
-    @classmethod
-    def is_available(cls) -> bool:
-        try:
-            import torch_mlir.execution_engine  # noqa: F401
-        except ImportError:
-            return False
-        return True
-
     def compile_region(self, region: OutlinedRegion, kind: RegionKind) -> RegionCall | str:
         from mfusion.mlir.importer import import_region
         from mfusion.mlir.runtime import compiled_region

@@ -17,11 +17,5 @@ class NPUBackend(KernelBackend):
     name = "npu"
     table = NPU_TABLE
 
-    @classmethod
-    def is_available(cls) -> bool:
-        from npu_core import detect_backend
-
-        return detect_backend().value == "npu"
-
     def compile_region(self, region: OutlinedRegion, kind: RegionKind) -> RegionCall | str:
         return f"{kind.value} region left for torch_npu's Inductor backend"

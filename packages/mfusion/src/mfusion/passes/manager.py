@@ -4,7 +4,6 @@ automatic fusion, then cleanup, and hashes everything that decides its output in
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import hashlib
 import importlib
@@ -71,7 +70,7 @@ class MFusionPassManager(CustomGraphPass):
         """Rewrite ``graph`` in place and return (and record) what happened."""
         backend = self.config.resolved_backend()
         # Decide every machine-dependent rewrite of this graph for one profile, detected once.
-        config = dataclasses.replace(self.config, machine=self.config.resolved_machine())
+        config = self.config.model_copy(update={"machine": self.config.resolved_machine()})
         record = new_graph_report(backend.value)
         record.machine = config.machine.describe()
         record.ops_before = _op_counter(graph)
