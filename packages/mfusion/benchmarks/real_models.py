@@ -1,0 +1,314 @@
+"""Inductor vs Inductor + mfusion on real architectures from transformers' and diffusers' own
+modeling code: inference and one training step, fp32 and bf16.
+
+    python packages/mfusion/benchmarks/real_models.py --out bench-results/mfusion-real
+
+Models (tiny configs, random weights, see ``zoo/library.py``): BERT, ViT, Whisper, CLIP, Llama,
+Qwen3, Mistral, DiT (diffusers), ResNet-18 (transformers), and the look-alike DCGAN generator
+(no library ships one). Modes: ``infer-fp32``, ``infer-bf16``, ``train-fp32``, ``train-bf16``.
+Inference compiles with ``freezing`` (weights become constants, as Inductor's own CPU dashboard
+runs inference); ``--no-freezing`` turns it off. A training step is forward + loss + backward.
+
+Per (model, mode) three compiled variants of the same module: plain Inductor, an A/A control
+(mfusion's options path with every pass off: the same graph, compiled separately, so its ratio is
+the run's noise floor) and Inductor + mfusion. Timing as in ``model_speedup.py``: one torch
+thread, each sample a batch of calls of about ``--sample-ms``, interleaved rounds alternating
+order, collector paused, median of per-round ratios with its interquartile range.
+
+Accuracy gate: fp32 outputs (or loss and gradients) within ``--tol`` x max(|reference|, 1) of
+eager fp32; bf16 results no further from eager fp32 than twice eager bf16's own error (or the
+fp32 bound, whichever is larger), since bf16 rounding is not a compiler's fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-bench-"))
+
+import torch._dynamo
+from zoo.library import MODELS, TrainStep
+
+import mfusion
+from mfusion.machine import MachineProfile
+from npu_core.bench import BenchTable, Timing, compare, measure
+
+MODES = ("infer-fp32", "infer-bf16", "train-fp32", "train-bf16")
+OWN_LOSS = {"llama", "qwen3", "mistral"}
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.dtype.is_floating_point else t
+
+
+def _flat(result: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    if isinstance(result, torch.Tensor):
+        return result.detach().float().flatten()
+    return torch.cat([t.detach().float().flatten() for t in result])
+
+
+def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    return (out - ref).abs().max().item()
+
+
+def _batched(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run
+
+
+def _compare(baseline, candidate, calls: int, args: argparse.Namespace):
+    gc.collect()
+    gc.disable()
+    try:
+        return compare(
+            _batched(baseline, calls),
+            _batched(candidate, calls),
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
+    finally:
+        gc.enable()
+
+
+class Runner:
+    """One (model, mode): builds the module, runs eager references and compiled variants."""
+
+    def __init__(self, name: str, mode: str, args: argparse.Namespace) -> None:
+        self.train = mode.startswith("train")
+        self.dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float32
+        torch.manual_seed(0)
+        module, inputs = MODELS[name].build(self.train)
+        if self.train:
+            module = TrainStep(module, own_loss=name in OWN_LOSS).train()
+        else:
+            module = module.eval()
+        self.reference_module = module
+        self.reference_inputs = inputs
+        self.module = copy.deepcopy(module).to(self.dtype)
+        self.inputs = tuple(_cast(t, self.dtype) for t in inputs)
+        self.freezing = not self.train and args.freezing
+
+    def run(self, fn: Callable[..., torch.Tensor], module: torch.nn.Module | None = None):
+        """One call; for a training step the loss and every gradient, else the output."""
+        module = module or self.module
+        inputs = self.reference_inputs if module is self.reference_module else self.inputs
+        if not self.train:
+            with torch.no_grad():
+                return fn(*inputs)
+        for p in module.parameters():
+            p.grad = None
+        loss = fn(*inputs)
+        loss.backward()
+        return [loss, *(p.grad for p in module.parameters() if p.grad is not None)]
+
+    def compiled(self, options: dict[str, object]) -> Callable[..., torch.Tensor]:
+        options = dict(options)
+        if self.freezing:
+            options["freezing"] = True
+        return torch.compile(self.module, options=options)
+
+
+def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, object]:
+    torch._dynamo.reset()
+    runner = Runner(name, mode, args)
+    reference = _flat(runner.run(runner.reference_module, runner.reference_module))
+    eager_low = _flat(runner.run(runner.module))
+    scale = max(reference.abs().max().item(), 1.0)
+    bound = args.tol * scale
+    if runner.dtype != torch.float32:
+        bound = max(bound, 2 * _error(eager_low, reference))
+
+    plain = runner.compiled({"post_grad_custom_post_pass": None})
+    control = runner.compiled(
+        mfusion.compile_options(backend=args.backend, passes=(), auto_fuse=False)
+    )
+    fused = runner.compiled(mfusion.compile_options(backend=args.backend, **args.mfusion))
+    start = time.perf_counter()
+    out_plain = _flat(runner.run(plain))
+    compile_plain = time.perf_counter() - start
+    runner.run(control)
+    mfusion.clear_report()
+    start = time.perf_counter()
+    out_fused = _flat(runner.run(fused))
+    compile_fused = time.perf_counter() - start
+    report = mfusion.report()
+
+    probe = measure(lambda: runner.run(plain), warmup=2, repeats=5)
+    calls = max(1, round(args.sample_ms * 1e-3 / probe.median))
+    eager = measure(
+        _batched(lambda: runner.run(runner.module), calls), warmup=1, repeats=args.eager_repeats
+    )
+    a_a = _compare(lambda: runner.run(plain), lambda: runner.run(control), calls, args)
+    comparison = _compare(lambda: runner.run(plain), lambda: runner.run(fused), calls, args)
+    ratios = Timing(comparison.ratios)
+    errors = (_error(out_plain, reference), _error(out_fused, reference))
+    return {
+        "model": name,
+        "mode": mode,
+        "kind": MODELS[name].kind,
+        "eager ms": eager.median / calls * 1e3,
+        "inductor ms": comparison.baseline.median / calls * 1e3,
+        "mfusion ms": comparison.candidate.median / calls * 1e3,
+        "inductor speedup": eager.median / comparison.baseline.median,
+        "mfusion / inductor": comparison.ratio_median,
+        "ratio p25-p75": f"{ratios.p25:.3f}-{ratios.p75:.3f}",
+        "A/A control": a_a.ratio_median,
+        "compile s (inductor)": compile_plain,
+        "compile s (mfusion)": compile_fused,
+        "rewrites": _rewrites(report),
+        "max err (inductor, mfusion) / bound": (
+            f"{errors[0] / bound:.2g}, {errors[1] / bound:.2g}"
+        ),
+        "accuracy": "pass" if max(errors) <= bound else "FAIL",
+    }
+
+
+def _rewrites(report: mfusion.Report) -> str:
+    """``gelu 2, rmsnorm 5``: rewrites per pass over every graph compiled (forward, backward)."""
+    counts: dict[str, int] = {}
+    for graph in report.graphs:
+        for decision in graph.decisions:
+            if decision.rewritten:
+                counts[decision.pass_name] = counts.get(decision.pass_name, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="directory for real_models.{json,md}")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    parser.add_argument("--backend", default="inductor", help="mfusion backend (default inductor)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds per row")
+    parser.add_argument("--eager-repeats", type=int, default=5, help="eager samples per row")
+    parser.add_argument("--sample-ms", type=float, default=25.0, help="duration of one sample")
+    parser.add_argument("--tol", type=float, default=1e-3, help="fp32 accuracy gate (x scale)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument(
+        "--no-freezing", dest="freezing", action="store_false", help="inference without freezing"
+    )
+    parser.add_argument(
+        "--set",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an MFusionConfig field for the mfusion variant, e.g. --set patch_conv=off "
+        "or --set passes=gelu,rmsnorm",
+    )
+    args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    args.mfusion = {}
+    for item in args.options:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: expected FIELD=VALUE")
+        if key == "passes":
+            args.mfusion[key] = tuple(v for v in value.split(",") if v)
+        elif value.lower() in ("true", "false"):
+            args.mfusion[key] = value.lower() == "true"
+        else:
+            args.mfusion[key] = value
+    mfusion.MFusionConfig(**args.mfusion)  # refuse a bad --set before compiling anything
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.cache_size_limit = 64
+
+    columns = [
+        "model",
+        "mode",
+        "eager ms",
+        "inductor ms",
+        "mfusion ms",
+        "inductor speedup",
+        "mfusion / inductor",
+        "ratio p25-p75",
+        "A/A control",
+        "compile s (inductor)",
+        "compile s (mfusion)",
+        "rewrites",
+        "max err (inductor, mfusion) / bound",
+        "accuracy",
+    ]
+    rows = []
+    start = time.perf_counter()
+    jobs = [(m, mode) for m in args.models for mode in args.modes]
+    for index, (name, mode) in enumerate(jobs, 1):
+        print(f"[{index}/{len(jobs)}] {name} {mode} ...", flush=True)
+        row = run_model(name, mode, args)
+        rows.append(row)
+        print(
+            f"    mfusion/inductor {row['mfusion / inductor']:.3f}x "
+            f"(A/A {row['A/A control']:.3f}x, p25-p75 {row['ratio p25-p75']}), "
+            f"rewrites {row['rewrites']}, accuracy {row['accuracy']}",
+            flush=True,
+        )
+    summary = {}
+    for label, keep in {
+        "inference": lambda r: r["mode"].startswith("infer"),
+        "training": lambda r: r["mode"].startswith("train"),
+    }.items():
+        chosen = [r["mfusion / inductor"] for r in rows if keep(r)]
+        if chosen:
+            summary[f"geomean mfusion/inductor ({label})"] = _geomean(chosen)
+            summary[f"min mfusion/inductor ({label})"] = min(chosen)
+    profile = MachineProfile.detect()
+    metadata = {
+        "backend": args.backend,
+        "mfusion options": {k: str(v) for k, v in args.mfusion.items()},
+        "freezing (inference)": args.freezing,
+        "mfusion machine profile": profile.describe(),
+        "mfusion ISA level": profile.isa_level,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "sample ms": args.sample_ms,
+        "A/A control range": [
+            min(r["A/A control"] for r in rows),
+            max(r["A/A control"] for r in rows),
+        ],
+        **summary,
+        "all accurate": all(r["accuracy"] == "pass" for r in rows),
+        "wall s": time.perf_counter() - start,
+    }
+    table = BenchTable(
+        "mfusion on transformers/diffusers models: Inductor vs Inductor + mfusion (CPU)",
+        columns,
+        metadata,
+    )
+    for row in rows:
+        table.add(**{c: row[c] for c in columns})
+    table.write(args.out, "real_models")
+    print(table.to_markdown())
+    print(f"mfusion machine profile: {profile.describe()} (ISA level {profile.isa_level})")
+    for key, value in summary.items():
+        print(f"{key}: {value:.3f}x")
+    print(f"wall time: {metadata['wall s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
