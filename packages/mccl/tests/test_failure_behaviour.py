@@ -123,7 +123,14 @@ def _arrive_then_vanish(port: int) -> dist.TCPStore:
     client = dist.TCPStore(
         LOOPBACK, port, 2, is_master=False, timeout=datetime.timedelta(seconds=30)
     )
-    request = InitRequest("gloo", f"tcp://{LOOPBACK}:{port}", 1, 2, datetime.timedelta(1), 30.0)
+    request = InitRequest(
+        backend="gloo",
+        init_method=f"tcp://{LOOPBACK}:{port}",
+        rank=1,
+        world_size=2,
+        timeout=datetime.timedelta(minutes=30),
+        init_timeout_s=30.0,
+    )
     announce(client, request)
     return client
 

@@ -12,45 +12,48 @@ import datetime
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import Field, field_validator
 
 from mccl import env
 from mccl.api import init_process_group as mccl_init_process_group
 from npu_core.bench import BenchTable
+from npu_core.config import StrictConfig
 from npu_core.dist import LOOPBACK, find_free_port, launch
 
 MODES = ("sync", "mccl")
 
 
-@dataclass(frozen=True)
-class StartupBenchConfig:
-    """What to measure; every field is a ``mccl bench`` option."""
+class StartupBenchConfig(StrictConfig):
+    """What to measure; every field is a ``mccl bench`` option (and ``--set`` key)."""
 
-    ranks: tuple[int, ...] = (2, 8, 32)
-    """World sizes to measure, each on loopback in its own launch."""
-    rounds: int = 5
-    """Measured rounds per mode (sync and mccl alternate, so noise hits both)."""
-    calibration_rounds: int = 3
-    """Rounds of init alone, used to size the simulated device init when not given."""
-    device_init: str = "sleep"
-    """Simulated device initialisation: ``sleep`` (idle wait) or ``compute`` (busy matmuls)."""
-    device_init_ms: float | None = None
-    """Duration of the device init; None matches the measured synchronous init time."""
-    backend: str = "gloo"
-    """Collective backend under test."""
+    ranks: tuple[int, ...] = Field(
+        (2, 8, 32), description="World sizes to measure, each on loopback in its own launch."
+    )
+    rounds: int = Field(
+        5, ge=1, description="Measured rounds per mode (sync and mccl alternate: same noise)."
+    )
+    calibration_rounds: int = Field(
+        3, ge=1, description="Rounds of init alone, to size the simulated device init."
+    )
+    device_init: Literal["sleep", "compute"] = Field(
+        "sleep", description="Simulated device init: sleep (idle wait) or compute (busy matmuls)."
+    )
+    device_init_ms: float | None = Field(
+        None, ge=0, description="Device init duration in ms; default: the measured sync init time."
+    )
+    backend: str = Field("gloo", description="Collective backend under test.")
 
-    def __post_init__(self) -> None:
-        if not self.ranks or min(self.ranks) < 2:
-            raise ValueError(f"ranks must be world sizes >= 2, got {self.ranks}")
-        if self.rounds < 1 or self.calibration_rounds < 1:
-            raise ValueError("rounds and calibration_rounds must be >= 1")
-        if self.device_init not in ("sleep", "compute"):
-            raise ValueError(f"device_init must be 'sleep' or 'compute', got {self.device_init!r}")
-        if self.device_init_ms is not None and self.device_init_ms < 0:
-            raise ValueError(f"device_init_ms must be >= 0, got {self.device_init_ms}")
+    @field_validator("ranks")
+    @classmethod
+    def _world_sizes(cls, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        if not ranks or min(ranks) < 2:
+            raise ValueError("every world size must be >= 2")
+        return ranks
 
 
 def _launcher_int(name: str) -> int:
@@ -232,7 +235,7 @@ def results_table(cfg: StartupBenchConfig, results: list[StartupResult]) -> Benc
             "mccl / max(mccl init, device)",
             "target met",
         ],
-        metadata=asdict(cfg),
+        metadata=cfg.model_dump(mode="json"),
     )
     for r in results:
         table.add(

@@ -1,7 +1,5 @@
 """``mccl`` command line: measure what asynchronous initialisation saves at start-up."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +8,8 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 from mccl.bench import StartupBenchConfig, measure_startup, results_table
+from npu_core.cli import config_options, fail
+from npu_core.config import ConfigError
 
 app = typer.Typer(
     help="Asynchronous initialisation of torch.distributed process groups.",
@@ -25,17 +25,12 @@ def _root() -> None:
 
 
 @app.command()
+@config_options(StartupBenchConfig, exclude=("ranks",))
 def bench(
+    config: StartupBenchConfig,
     ranks: Annotated[
-        list[int], typer.Option("--ranks", "-n", help="World size to measure; repeat for several.")
-    ] = [2, 8, 32],  # noqa: B006 - typer reads the default, never mutates it
-    rounds: Annotated[int, typer.Option(help="Measured rounds per mode (sync, mccl).")] = 5,
-    device_init: Annotated[
-        str, typer.Option(help="Simulated device init: 'sleep' (idle) or 'compute' (busy CPU).")
-    ] = "sleep",
-    device_init_ms: Annotated[
-        float | None,
-        typer.Option(help="Device init duration in ms; default: the measured sync init time."),
+        list[int] | None,
+        typer.Option("--ranks", "-n", help="World size to measure; repeat for several (2, 8, 32)."),
     ] = None,
     out: Annotated[Path, typer.Option(help="Directory for startup.json and startup.md.")] = Path(
         "bench-results/mccl"
@@ -47,20 +42,16 @@ def bench(
     process group. The blocking path pays init + device; mccl should pay about max(init, device).
     Reported times are medians over rounds of the slowest rank.
     """
-    try:
-        cfg = StartupBenchConfig(
-            ranks=tuple(ranks),
-            rounds=rounds,
-            device_init=device_init,
-            device_init_ms=device_init_ms,
-        )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    if ranks is not None:  # the option wins over --config / --set, like every other option
+        try:
+            config = StartupBenchConfig.validate_tree(config.model_dump() | {"ranks": ranks})
+        except ConfigError as exc:
+            fail(str(exc))
     with console.status("starting ranks") as status:
         results = measure_startup(
-            cfg, progress=lambda n: status.update(f"measuring {n} ranks on loopback")
+            config, progress=lambda n: status.update(f"measuring {n} ranks on loopback")
         )
-    table = results_table(cfg, results)
+    table = results_table(config, results)
     json_path, md_path = table.write(out, "startup")
     console.print(Markdown(table.to_markdown()))
     console.print(f"wrote {json_path} and {md_path}")

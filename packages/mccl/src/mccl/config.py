@@ -7,9 +7,11 @@ later, at first use, from the background thread.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+
+from pydantic import Field
 
 from mccl import env
+from npu_core.config import StrictConfig
 
 DEFAULT_INIT_TIMEOUT_S = 300.0
 
@@ -34,19 +36,18 @@ def _seconds(value: float | datetime.timedelta, name: str) -> float:
     return seconds
 
 
-@dataclass(frozen=True)
-class InitRequest:
+class InitRequest(StrictConfig):
     """Everything the background initialisation needs, resolved in the caller's thread.
 
     Resolving early means a bad argument raises at the call, not later at first use.
     """
 
-    backend: str
-    init_method: str
-    rank: int
-    world_size: int
-    timeout: datetime.timedelta
-    init_timeout_s: float
+    backend: str = Field(description="Collective backend, as torch.distributed names it.")
+    init_method: str = Field(description="Rendezvous URL: env://, tcp://HOST:PORT, file://...")
+    rank: int = Field(ge=0, description="This process's rank.")
+    world_size: int = Field(ge=1, description="Number of ranks.")
+    timeout: datetime.timedelta = Field(description="Collective timeout of the process group.")
+    init_timeout_s: float = Field(gt=0, description="Seconds every rank may take to arrive.")
 
 
 def resolve_request(

@@ -7,8 +7,6 @@ Exit status: 0 done; 1 the work failed (an invalid card, a missing library); 2 t
 refused before any work started (one line on stderr naming the argument; nothing written).
 """
 
-from __future__ import annotations
-
 import enum
 import json
 from pathlib import Path
