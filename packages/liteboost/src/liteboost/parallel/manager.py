@@ -31,6 +31,7 @@ class ParallelConfig:
         ring_group: this rank's ring.
         sp_group: every rank sharing this rank's sequence (ring x ulysses).
         pipeline: the pipeline the manager was given (CFG parallel reads whether guidance is on).
+        vae_mode: VAE decode split: "temporal", "spatial" or None (by shape).
     """
 
     world_size: int
@@ -47,6 +48,7 @@ class ParallelConfig:
     ring_group: object | None = None
     sp_group: object | None = None
     pipeline: object | None = None
+    vae_mode: str | None = None
 
     @property
     def sequence_degree(self) -> int:
@@ -147,7 +149,7 @@ class ParallelManager:
             CFG parallel needs the pipeline: it reads whether guidance is on at each step.
         ulysses_degree: Ulysses ranks per sequence; None = world size / (cfg x ring), 1 = off.
         vae_parallel: decode (and encode) the video across all ranks: spatial row slabs or
-            temporal spans, whichever does less work for the shape.
+            temporal spans, whichever does less work for the shape (see ``vae_mode``).
         pad_heads: allow ``heads % ulysses_degree != 0`` (zero heads); False refuses such
             degrees with an error listing the degrees that work.
         vae_receptive_field: latent-frame overlap between temporal VAE spans; None = the exact
@@ -155,6 +157,9 @@ class ParallelManager:
             speed.
         cfg_degree: 1, or 2 for CFG parallel.
         ring_degree: ring-attention ranks per sequence; 1 = off.
+        vae_mode: "temporal" (spans of frames, bit-identical to stock), "spatial" (row slabs
+            with halo exchange, equal to float rounding) or None to pick by shape. Encode is
+            always temporal.
 
     Raises:
         UnsupportedModelError: nothing in ``model_or_pipeline`` is supported; lists what is.
@@ -172,7 +177,10 @@ class ParallelManager:
         vae_receptive_field: int | None = None,
         cfg_degree: int = 1,
         ring_degree: int = 1,
+        vae_mode: str | None = None,
     ) -> None:
+        if vae_mode not in (None, "temporal", "spatial"):
+            raise ValueError(f"vae_mode={vae_mode!r}; use 'temporal', 'spatial' or None (by shape)")
         world = _world_size()
         cfg, ulysses, ring = resolve_degrees(world, cfg_degree, ulysses_degree, ring_degree)
         is_module = isinstance(model_or_pipeline, torch.nn.Module)
@@ -192,6 +200,7 @@ class ParallelManager:
             cfg_degree=cfg,
             ring_degree=ring,
             pipeline=None if is_module else model_or_pipeline,
+            vae_mode=vae_mode,
             **groups,
         )
         self.handles: dict[str, Handle] = {}
