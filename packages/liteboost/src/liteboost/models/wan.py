@@ -204,7 +204,7 @@ def parallelize_wan_vae(vae, config) -> _VaeHandle | None:
 
     def decode(z: torch.Tensor, return_dict: bool = True):
         frames = vae_dp.parallel_decode(
-            vae, z, lambda x: stock_decode(x).sample, group, field_override
+            vae, z, lambda x: stock_decode(x).sample, group, field_override, config.vae_mode
         )
         return DecoderOutput(sample=frames) if return_dict else (frames,)
 
