@@ -76,7 +76,10 @@ BAD_OPTIONS = [
     (["--attention-backend", "bogus"], "attention_backend='bogus' is not a backend"),
     (["--timeout", "-1"], "'--timeout': -1.0"),
     (["--timeout", "inf"], "'--timeout': inf"),
-    (["--ulysses", "3", "--nproc", "2"], "'--ulysses': 3 with --nproc 2"),
+    (["--ulysses", "3", "--nproc", "2"], "ulysses_degree=3 x ring_degree=1 = 3"),
+    (["--cfg-parallel", "2", "--nproc", "3"], "'--cfg-parallel/--ring': cfg_degree=2"),
+    (["--cfg-parallel", "3"], "cfg_parallel: Input should be less than or equal to 2"),
+    (["--ring", "2", "--nproc", "2", "--sparsity", "0.5"], "'--ring': 2 with --sparsity 0.5"),
     (["--ulysses", "0"], "ulysses: Input should be greater than or equal to 1"),
     (["--nproc", "0"], "'--nproc': 0"),
     (["--sparsity", "1.0"], "sparsity: Input should be less than 1"),
@@ -261,3 +264,12 @@ def test_sparse_attention_refuses_the_same_way_at_every_sparsity(case, sparsity)
 def test_sparse_attention_refuses_non_tensors():
     with pytest.raises(TypeError, match=r"k is a list; expected a torch\.Tensor"):
         sparse_attention(_t(*Q), [0.0], _t(*Q), latent_shape=(3, 4, 4), sparsity=0.0)
+
+
+def test_hybrid_layout_passes_the_checks_and_reaches_the_ranks(launches, tmp_path):
+    """A valid CFG x Ulysses x Ring layout is accepted and shipped to the ranks as options."""
+    args = ["--cfg-parallel", "2", "--ulysses", "2", "--ring", "1", "--nproc", "4"]
+    result = CliRunner().invoke(app, ["generate", *args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    (_, nproc, (config,)) = launches[0]
+    assert nproc == 4 and (config.cfg_parallel, config.ulysses, config.ring) == (2, 2, 1)

@@ -34,8 +34,13 @@ def preflight(config: GenerateOptions, *, nproc: int, timeout: float, overwrite:
     from liteboost import preflight as checks
     from npu_core.dist import is_torchrun
 
-    checks.check_numbers(
-        nproc=nproc, timeout=timeout, ulysses=config.ulysses, torchrun=is_torchrun()
+    checks.check_numbers(nproc=nproc, timeout=timeout)
+    checks.check_mesh(
+        nproc=None if is_torchrun() else nproc,
+        cfg=config.cfg_parallel,
+        ulysses=config.ulysses,
+        ring=config.ring,
+        sparsity=config.sparsity,
     )
     facts = checks.model_facts(config.model)
     checks.check_size(config.height, config.width, config.frames, facts)

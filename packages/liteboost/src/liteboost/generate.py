@@ -36,7 +36,18 @@ class GenerateOptions(StrictConfig):
     )
     block_size: int = Field(128, ge=1, description="Tokens per sparse block.")
     ulysses: int | None = Field(
-        None, ge=1, description="Ulysses degree: 1 = off; default = all ranks."
+        None,
+        ge=1,
+        description="Ulysses degree: 1 = off; default = the ranks left by --cfg-parallel x --ring.",
+    )
+    cfg_parallel: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="2 runs the conditional and unconditional branches on different ranks.",
+    )
+    ring: int = Field(
+        1, ge=1, description="Ring-attention degree (K/V passed between ranks); 1 = off."
     )
     vae_parallel: bool = Field(True, description="Split VAE decode over time across ranks.")
     attention_backend: str | None = Field(
@@ -86,7 +97,11 @@ def generate_rank(options: GenerateOptions) -> dict | None:
         block_size=options.block_size,
     )
     parallel = ParallelManager(
-        pipe, ulysses_degree=options.ulysses, vae_parallel=options.vae_parallel
+        pipe,
+        ulysses_degree=options.ulysses,
+        vae_parallel=options.vae_parallel,
+        cfg_degree=options.cfg_parallel,
+        ring_degree=options.ring,
     )
     seed = parallel.sync_seed(options.seed)
     lead = _rank() == 0

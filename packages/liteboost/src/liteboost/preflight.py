@@ -210,20 +210,33 @@ def check_out(out: Path, video_format: str, overwrite: bool) -> None:
     os.unlink(probe)
 
 
-def check_numbers(*, nproc: int, timeout: float, ulysses: int | None, torchrun: bool) -> None:
-    """The launcher's options and the Ulysses degree against the rank count.
-
-    The other numeric options are ranges of :class:`liteboost.generate.GenerateOptions` fields,
-    checked when the options are built.
-    """
+def check_numbers(*, nproc: int, timeout: float) -> None:
+    """The launcher's options (the numeric options of the run are ranges of
+    :class:`liteboost.generate.GenerateOptions` fields, checked when the options are built)."""
     if nproc < 1:
         raise PreflightError("--nproc", f"{nproc}; expected an integer >= 1")
     if not (timeout > 0 and math.isfinite(timeout)):
         raise PreflightError("--timeout", f"{timeout}; expected a finite number of seconds > 0")
-    # Under torchrun the world size is known only inside the ranks (ParallelManager checks).
-    if ulysses is not None and not torchrun and ulysses not in (1, nproc):
+
+
+def check_mesh(
+    *, nproc: int | None, cfg: int, ulysses: int | None, ring: int, sparsity: float
+) -> None:
+    """The CFG x Ring x Ulysses degrees against the rank count, by ParallelManager's own rule.
+
+    ``nproc`` is None under torchrun, where the world size is known only inside the ranks (the
+    manager checks there). Ring attention with block sparsity is refused as the manager does.
+    """
+    from liteboost.parallel.manager import resolve_degrees
+
+    if ring > 1 and sparsity > 0:
         raise PreflightError(
-            "--ulysses",
-            f"{ulysses} with --nproc {nproc}; expected 1 (off) or {nproc} (all ranks share each "
-            "sequence)",
+            "--ring", f"{ring} with --sparsity {sparsity}; ring attention runs dense attention only"
         )
+    if nproc is None:
+        return
+    try:
+        resolve_degrees(nproc, cfg, ulysses, ring)
+    except ValueError as exc:
+        option = "--ulysses" if ulysses is not None else "--cfg-parallel/--ring"
+        raise PreflightError(option, f"{exc} (--nproc {nproc})") from None
