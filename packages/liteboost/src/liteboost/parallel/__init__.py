@@ -1,8 +1,11 @@
-"""Multi-rank inference: Ulysses sequence parallelism and VAE temporal data parallelism."""
+"""Multi-rank inference: CFG x Ring x Ulysses transformer, spatial or temporal VAE decode."""
 
-from liteboost.parallel.manager import ParallelConfig, ParallelManager
+from liteboost.parallel.manager import ParallelConfig, ParallelManager, resolve_degrees
+from liteboost.parallel.ring import RingAttention, attention_with_lse, merge_partials
+from liteboost.parallel.sequence import SequenceParallel
 from liteboost.parallel.ulysses import UlyssesExchange, working_degrees
 from liteboost.parallel.vae_dp import (
+    choose_decode_mode,
     decode_span,
     decoder_receptive_field,
     encode_span,
@@ -12,18 +15,29 @@ from liteboost.parallel.vae_dp import (
     parallel_encode,
     plan_spans,
 )
+from liteboost.parallel.vae_spatial import HaloExchange, plan_rows, spatial_decode, spatial_plan
 
 __all__ = [
+    "HaloExchange",
     "ParallelConfig",
     "ParallelManager",
+    "RingAttention",
+    "SequenceParallel",
     "UlyssesExchange",
+    "attention_with_lse",
+    "choose_decode_mode",
     "decode_span",
     "decoder_receptive_field",
     "encode_span",
     "encoder_receptive_field",
     "finish_encode",
+    "merge_partials",
     "parallel_decode",
     "parallel_encode",
+    "plan_rows",
     "plan_spans",
+    "resolve_degrees",
+    "spatial_decode",
+    "spatial_plan",
     "working_degrees",
 ]
