@@ -1,0 +1,120 @@
+"""Step caching through diffusers' hooks (BoostManager(cache=...)) and boosting twice.
+
+Multi-rank composition (CFG, Ulysses, Ring) is in test_hybrid_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+import liteboost
+from liteboost.cache import cache_config, composes_with_sequence_parallel
+from liteboost.tiny import build_tiny_pipeline, build_tiny_transformer
+
+CALL = dict(
+    prompt="a red kite",
+    negative_prompt="blurry",
+    height=64,
+    width=64,
+    num_frames=5,
+    num_inference_steps=6,
+    guidance_scale=5.0,
+    output_type="latent",
+)
+
+
+@torch.no_grad()
+def _latents(pipe) -> torch.Tensor:
+    return pipe(**CALL, generator=torch.Generator().manual_seed(0)).frames
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return build_tiny_pipeline()
+
+
+@pytest.fixture(scope="module")
+def uncached(pipe):
+    return _latents(pipe)
+
+
+def _ffn_calls(pipe, run) -> int:
+    """Forwards of the last block's FFN during ``run()``: skipped blocks do not run it."""
+    calls = []
+    handle = pipe.transformer.blocks[-1].ffn.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return len(calls)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_first_block_cache_skips_steps_and_stays_close(pipe, uncached, sparse):
+    """Threshold 0.3 skips steps; the final latent moves little; remove() restores stock."""
+    boost = dict(sparsity=0.5, block_size=16, sparse_kernel="reference") if sparse else {}
+    reference = uncached
+    if sparse:
+        with liteboost.BoostManager(pipe, **boost):
+            reference = _latents(pipe)
+    with liteboost.BoostManager(pipe, cache="first_block", cache_threshold=0.3, **boost):
+        box = []
+        calls = _ffn_calls(pipe, lambda: box.append(_latents(pipe)))
+    cached = box[0]
+    assert calls < 2 * CALL["num_inference_steps"], "nothing was cached"
+    rel = ((cached - reference).norm() / reference.norm()).item()
+    assert 0 < rel < 0.1, rel
+    assert torch.equal(_latents(pipe), uncached), "remove() must restore the stock pipeline"
+
+
+def test_cache_config_objects_and_names(pipe, uncached):
+    """A diffusers config is used as given; a threshold of 0 never skips (equals uncached)."""
+    with liteboost.BoostManager(pipe):
+        boosted = _latents(pipe)
+    with liteboost.BoostManager(pipe, cache=FirstBlockCacheConfig(threshold=0.0)):
+        assert torch.equal(_latents(pipe), boosted)
+    with liteboost.BoostManager(pipe, cache="taylorseer") as manager:
+        assert isinstance(manager.cache, TaylorSeerCacheConfig)
+        _latents(pipe)
+    with liteboost.BoostManager(pipe, cache="pab"):
+        assert _latents(pipe).shape == uncached.shape
+
+
+def test_cache_errors_name_the_argument():
+    model = build_tiny_transformer()
+    with pytest.raises(ValueError, match="cache='bogus'; use one of first_block, pab"):
+        liteboost.BoostManager(model, cache="bogus")
+    with pytest.raises(ValueError, match="cache='pab' reads the pipeline's current timestep"):
+        liteboost.BoostManager(model, cache="pab")
+    with pytest.raises(ValueError, match="cache_threshold applies to cache='first_block'"):
+        cache_config("taylorseer", threshold=0.1)
+    with pytest.raises(ValueError, match="MagCacheConfig"):
+        cache_config("mag")
+    assert "_liteboost_boost_owner" not in model.__dict__, "a refused boost leaves nothing behind"
+
+
+def test_which_caches_compose_with_sequence_parallelism():
+    from diffusers.hooks import MagCacheConfig, SeaCacheConfig
+
+    assert composes_with_sequence_parallel(FirstBlockCacheConfig())
+    assert composes_with_sequence_parallel(TaylorSeerCacheConfig())
+    assert composes_with_sequence_parallel(
+        MagCacheConfig(mag_ratios=[1.0] * 4, num_inference_steps=4)
+    )
+    assert not composes_with_sequence_parallel(SeaCacheConfig())
+
+
+def test_boosting_a_boosted_pipeline_says_so(pipe, uncached):
+    """The second BoostManager is refused with a clear message and changes nothing."""
+    with liteboost.BoostManager(pipe, cache="first_block"):
+        with pytest.raises(
+            ValueError, match=r"transformer \(WanTransformer3DModel\) is already boosted"
+        ):
+            liteboost.BoostManager(pipe, sparsity=0.5)
+        with pytest.raises(ValueError, match="call remove\\(\\) on that one"):
+            liteboost.BoostManager(pipe.transformer)
+    with liteboost.BoostManager(pipe):  # after remove() boosting works again
+        assert torch.allclose(_latents(pipe), uncached, rtol=0, atol=1e-3)
+    assert torch.equal(_latents(pipe), uncached)
