@@ -178,8 +178,11 @@ def sparse_attention(
         latent_shape: token grid (frames, height, width) after patching, e.g. (21, 30, 52) for
             Wan 480p 81 frames.
         text_len: text tokens after the video tokens (0 for Wan self-attention).
-        sparsity: share of key blocks skipped per query block, in [0, 1). 0 runs dense
-            attention through :func:`liteboost.attention.flash_attention` (identical output).
+        sparsity: share of key blocks skipped per query block, in [0, 1). 0, and any sparsity
+            that keeps every key block, runs dense attention through
+            :func:`liteboost.attention.flash_attention` (identical output; the reordered path
+            with every block kept measured slower, ``benchmarks/sparsity_zero.py``) unless a
+            ``kernel`` is forced.
         block_size: tokens per block: an int for queries and keys alike, or a (query, key)
             pair. Keys are selected per key block, each query block choosing for all its
             queries.
@@ -212,6 +215,11 @@ def sparse_attention(
     tiles = _tile_layout(qb, latent_shape, block_size, tile, first_frame_sink)
     qt, kt, vt = (tiling.reorder(t, tiles, seq_dim=2) for t in (qb, kb, vb))
     plan = _select_tiled(qt, kt, tiles, latent_shape, sparsity, block_size)
+    if kernel is None and plan.keep >= math.ceil(kt.shape[-2] / block_size[1]):
+        # Every row keeps every key block (a low sparsity on few blocks): that is dense
+        # attention, and the dense chain measured faster than the reordered path with all blocks
+        # kept (0.64-0.94x dense on CPU; benchmarks/sparsity_zero.py).
+        return flash_attention(q, k, v, layout=layout, scale=scale)
     out = rain_fusion_attention(
         qt, kt, vt, plan.block_index, block_size=block_size, scale=scale, kernel=kernel
     )
