@@ -93,7 +93,9 @@ class ConvertConfig(_Strict):
         description="Keyword options for liteboost.BoostManager (video models).",
     )
     mfusion: dict[str, Any] = Field(
-        default_factory=dict, description="mfusion pass settings recorded for torch.compile users."
+        default_factory=dict,
+        description="mfusion.MFusionConfig settings applied by convert/run --mfusion; 'passes' "
+        "defaults to the passes named by fused_ops.",
     )
 
 
@@ -148,7 +150,10 @@ class ModelCard(_Strict):
     )
     parallelism: Parallelism = Field(default_factory=Parallelism)
     attention: Attention = Field(default_factory=Attention)
-    fused_ops: list[str] = Field(default_factory=list, description="Ops worth fusing (mfusion).")
+    fused_ops: list[str] = Field(
+        default_factory=list,
+        description="Ops worth fusing; they name the mfusion passes --mfusion runs.",
+    )
     hardware: str = Field(description="Memory and device notes for the full-size model.")
     min_versions: dict[str, str] = Field(
         default_factory=dict, description="Minimum versions of the libraries it needs."
