@@ -157,4 +157,4 @@ def test_cli_lists_and_validates_without_model_libraries():
     checked = cli("validate")
     assert checked.returncode == 0 and "library class checked for 0" in checked.stdout
     ran = cli("run", "qwen3-0.6b", "--tiny")
-    assert ran.returncode == 1 and "modelzoo[transformers]" in ran.stdout
+    assert ran.returncode == 1 and "modelzoo[transformers]" in ran.stderr, ran.stderr
