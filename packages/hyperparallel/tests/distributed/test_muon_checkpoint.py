@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from test_fsdp_muon import Mixed, _grads
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -21,6 +21,23 @@ from hyperparallel.optim import Muon
 from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed
+
+
+class Mixed(nn.Module):
+    """Mixed shapes: uneven rows (5 and 3 on 4 ranks leave empty shards), experts, a conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 16, bias=False)
+        self.b = nn.Linear(16, 5, bias=False)
+        self.c = nn.Linear(5, 3, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, 5))
+        self.conv = nn.Conv2d(2, 6, 3, bias=False)
+
+
+def _grads(model: nn.Module, step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=generator) for p in model.parameters()]
 
 
 def _setup(seed: int):
