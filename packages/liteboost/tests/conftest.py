@@ -111,3 +111,15 @@ def wan_variant_inputs():
 def tiny_i2v() -> dict:
     """Config overrides that make the tiny transformer a Wan2.1 I2V model."""
     return dict(TINY_I2V)
+
+
+@pytest.fixture
+def vae_latents_of():
+    """:func:`vae_latents`: latents of the tiny AutoencoderKLWan for a frame count."""
+    return vae_latents
+
+
+@pytest.fixture
+def vae_pixels_of():
+    """:func:`vae_pixels`: a video in [-1, 1] for the tiny AutoencoderKLWan."""
+    return vae_pixels

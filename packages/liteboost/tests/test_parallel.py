@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY_I2V, tiny_inputs, tiny_variant_inputs, vae_latents, vae_pixels
 
 import liteboost
 from liteboost.tiny import build_tiny_transformer, build_tiny_vae
@@ -28,12 +27,12 @@ ENCODE_FRAMES = [1, 9, 17]
 
 
 @torch.no_grad()
-def _ulysses_rank() -> dict:
+def _ulysses_rank(data: dict) -> dict:
     rank = dist.get_rank()
     out: dict = {}
     model = build_tiny_transformer()
     for grid in GRIDS:
-        inputs = tiny_inputs(grid, batch=2)
+        inputs = data["grids"][grid]
         stock = model(**inputs).sample
         with liteboost.ParallelManager(model) as manager:
             assert manager.parallelized == ["model"]
@@ -44,15 +43,15 @@ def _ulysses_rank() -> dict:
             with liteboost.ParallelManager(model):
                 both = model(**inputs).sample
         out[f"boosted{grid}"] = (both - boosted).abs().max().item()
-    inputs = tiny_inputs(SPARSE_GRID, batch=2)
+    inputs = data["sparse"]
     with liteboost.BoostManager(model, sparsity=0.5, block_size=16, sparse_kernel="reference"):
         sparse = model(**inputs).sample
         with liteboost.ParallelManager(model):
             sparse_parallel = model(**inputs).sample
     out["sparse"] = (sparse_parallel - sparse).abs().max().item()
     for variant in ("i2v", "ti2v"):  # image K/V branch, per-token timestep (uneven: 35 tokens)
-        variant_model = build_tiny_transformer(**(TINY_I2V if variant == "i2v" else {}))
-        inputs = tiny_variant_inputs(variant, grid=GRIDS[1])
+        variant_model = build_tiny_transformer(**(data["i2v_config"] if variant == "i2v" else {}))
+        inputs = data[variant]
         stock = variant_model(**inputs).sample
         with liteboost.ParallelManager(variant_model):
             parallel = variant_model(**inputs).sample
@@ -66,14 +65,15 @@ def _ulysses_rank() -> dict:
     # The single-process reference runs in this rank, i.e. at the rank's thread count: stock
     # itself may round differently at another thread count (see liteboost.parallel.vae_dp).
     vae = build_tiny_vae()
-    out["vae_stock"] = {t: vae.decode(vae_latents(t)).sample for t in DECODE_FRAMES}
-    out["encode_stock"] = {t: vae.encode(vae_pixels(t)).latent_dist.mean for t in ENCODE_FRAMES}
+    latents, pixels = data["latents"], data["pixels"]
+    out["vae_stock"] = {t: vae.decode(latents[t]).sample for t in DECODE_FRAMES}
+    out["encode_stock"] = {t: vae.encode(pixels[t]).latent_dist.mean for t in ENCODE_FRAMES}
     # The temporal mode is the bit-identical one; the spatial mode (picked by shape) is checked
     # to float rounding in test_hybrid_parallel.py.
     with liteboost.ParallelManager(vae, vae_mode="temporal") as manager:
         out["vae_parallelized"] = manager.parallelized
-        out["vae"] = {t: vae.decode(vae_latents(t)).sample for t in DECODE_FRAMES}
-        out["encode"] = {t: vae.encode(vae_pixels(t)).latent_dist.mean for t in ENCODE_FRAMES}
+        out["vae"] = {t: vae.decode(latents[t]).sample for t in DECODE_FRAMES}
+        out["encode"] = {t: vae.encode(pixels[t]).latent_dist.mean for t in ENCODE_FRAMES}
     return out
 
 
@@ -82,9 +82,19 @@ def _ulysses_rank() -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("world", [2, 3])
-def test_ulysses_and_vae_parallel_equal_single_process(world):
+def test_ulysses_and_vae_parallel_equal_single_process(
+    world, wan_inputs, wan_variant_inputs, tiny_i2v, vae_latents_of, vae_pixels_of
+):
     """Ulysses (dense, boosted, sparse, I2V, TI2V; uneven sequence; 2 heads on 3 ranks), VAE."""
-    results = launch(_ulysses_rank, world, timeout=900)
+    data = {
+        "grids": {grid: wan_inputs(grid, batch=2) for grid in GRIDS},
+        "sparse": wan_inputs(SPARSE_GRID, batch=2),
+        "i2v_config": tiny_i2v,
+        **{v: wan_variant_inputs(v, grid=GRIDS[1]) for v in ("i2v", "ti2v")},
+        "latents": {t: vae_latents_of(t) for t in DECODE_FRAMES},
+        "pixels": {t: vae_pixels_of(t) for t in ENCODE_FRAMES},
+    }
+    results = launch(_ulysses_rank, world, data, timeout=900)
     for rank, res in enumerate(results):
         for grid in GRIDS:
             assert res[f"dense{grid}"] < 1e-5, (rank, grid, res)

@@ -12,7 +12,6 @@ import functools
 
 import pytest
 import torch
-from conftest import vae_latents, vae_pixels
 
 from liteboost.parallel.vae_dp import (
     decode_span,
@@ -32,7 +31,7 @@ def _vae():
 
 @functools.cache
 @torch.no_grad()
-def _stock_decode(frames: int) -> torch.Tensor:
+def _stock_decode(frames: int, vae_latents) -> torch.Tensor:
     return _vae().decode(vae_latents(frames)).sample
 
 
@@ -61,27 +60,30 @@ def test_vae_spans_cover_every_frame_once():
 
 @torch.no_grad()
 @pytest.mark.parametrize(("frames", "world"), [(1, 2), (5, 2), (5, 3), (9, 2), (9, 3)])
-def test_decode_spans_equal_stock_decode_bit_for_bit(frames, world):
+def test_decode_spans_equal_stock_decode_bit_for_bit(frames, world, vae_latents_of):
     """Windows shorter than the clip (2 of 5 latents at 3 ranks) give the stock bits."""
+    vae_latents = vae_latents_of
     spans = plan_spans(frames, world, decoder_receptive_field(_vae()))
     z = vae_latents(frames)
     parts = [decode_span(_vae(), z, span, _decode) for span in spans]
-    assert torch.equal(torch.cat(parts, dim=2), _stock_decode(frames))
+    assert torch.equal(torch.cat(parts, dim=2), _stock_decode(frames, vae_latents))
 
 
 @torch.no_grad()
-def test_decode_span_from_a_window_past_frame_zero_equals_stock():
+def test_decode_span_from_a_window_past_frame_zero_equals_stock(vae_latents_of):
     """A window starting after frame 0 (first-chunk path on another frame) keeps exact frames."""
+    vae_latents = vae_latents_of
     frames = _long_clip()
     span = plan_spans(frames, frames, decoder_receptive_field(_vae()))[-1]
     assert span.window > 0
     part = decode_span(_vae(), vae_latents(frames), span, _decode)
-    assert torch.equal(part, _stock_decode(frames)[:, :, -part.shape[2] :])
+    assert torch.equal(part, _stock_decode(frames, vae_latents)[:, :, -part.shape[2] :])
 
 
 @torch.no_grad()
-def test_decode_spans_follow_batch_slicing():
+def test_decode_spans_follow_batch_slicing(vae_latents_of):
     """With ``enable_slicing()`` stock decodes one sample at a time; the spans do the same."""
+    vae_latents = vae_latents_of
     vae = build_tiny_vae()
     vae.enable_slicing()
     z = vae_latents(5, batch=2)
@@ -93,8 +95,9 @@ def test_decode_spans_follow_batch_slicing():
 
 @torch.no_grad()
 @pytest.mark.parametrize(("frames", "world"), [(1, 2), (9, 2), (9, 3), (17, 2)])
-def test_encode_spans_equal_stock_encode_bit_for_bit(frames, world):
+def test_encode_spans_equal_stock_encode_bit_for_bit(frames, world, vae_pixels_of):
     """quant_conv runs once over the gathered clip, so short windows give the stock bits."""
+    vae_pixels = vae_pixels_of
     x = vae_pixels(frames)
     spans = plan_spans(1 + (frames - 1) // 4, world, encoder_receptive_field(_vae()))
     parts = [encode_span(_vae(), x, span, _encode) for span in spans]
@@ -102,11 +105,12 @@ def test_encode_spans_equal_stock_encode_bit_for_bit(frames, world):
 
 
 @torch.no_grad()
-def test_receptive_field_bounds_the_influence_of_frame_zero():
+def test_receptive_field_bounds_the_influence_of_frame_zero(vae_latents_of):
     """Perturbing latent frame 0 changes no frame decoded from latent R or later."""
+    vae_latents = vae_latents_of
     field = decoder_receptive_field(_vae())
     frames = _long_clip()
-    base = _stock_decode(frames)
+    base = _stock_decode(frames, vae_latents)
     z = vae_latents(frames)
     z[:, :, 0] += 1.0
     moved = _decode(z)
@@ -114,3 +118,22 @@ def test_receptive_field_bounds_the_influence_of_frame_zero():
     assert torch.equal(moved[:, :, first_safe:], base[:, :, first_safe:])
     # ... and the bound is tight to within the one-frame margin: R - 2 is still affected.
     assert not torch.equal(moved[:, :, : first_safe - 4], base[:, :, : first_safe - 4])
+
+
+def test_decode_mode_is_picked_by_shape():
+    """Spatial for frames with rows to split; temporal when rows, tiling or an override say so."""
+    from liteboost.parallel.vae_dp import choose_decode_mode
+    from liteboost.parallel.vae_spatial import plan_rows, spatial_plan
+
+    vae = build_tiny_vae()
+    plan = spatial_plan(vae)
+    assert plan is not None and all(radius == 1 for _, radius in plan.convs)
+    assert 0 < plan.replicated_share < 0.5
+    assert plan_rows(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    wide, one_row = torch.zeros(1, 4, 3, 12, 10), torch.zeros(1, 4, 3, 1, 10)
+    assert choose_decode_mode(vae, wide, 2) == "spatial"
+    assert choose_decode_mode(vae, one_row, 2) == "temporal"  # fewer rows than ranks
+    assert choose_decode_mode(vae, wide, 2, receptive_field=2) == "temporal"
+    assert choose_decode_mode(vae, wide, 1) == "temporal"
+    vae.enable_tiling()
+    assert choose_decode_mode(vae, wide, 2) == "temporal"
