@@ -77,7 +77,13 @@ def test_cache_config_objects_and_names(pipe, uncached):
         assert torch.equal(_latents(pipe), boosted)
     with liteboost.BoostManager(pipe, cache="taylorseer") as manager:
         assert isinstance(manager.cache, TaylorSeerCacheConfig)
-        _latents(pipe)
+        hooked = [
+            name
+            for name, module in pipe.transformer.named_modules()
+            if "taylorseer_cache" in getattr(getattr(module, "_diffusers_hook", None), "hooks", {})
+        ]
+        assert hooked == [f"blocks.{i}" for i in range(len(pipe.transformer.blocks))]
+        assert not torch.equal(_latents(pipe), uncached), "TaylorSeer predicted nothing"
     with liteboost.BoostManager(pipe, cache="pab"):
         assert _latents(pipe).shape == uncached.shape
 

@@ -39,7 +39,8 @@ def cache_config(cache: object, pipeline: object | None = None, threshold: float
         cache: a diffusers cache config (``FirstBlockCacheConfig(...)``, ...) used as given, or
             one of ``CACHE_NAMES``: "first_block" (``FirstBlockCacheConfig``), "pab"
             (``PyramidAttentionBroadcastConfig`` on self-attention, every other step between
-            timesteps 100 and 800), "taylorseer" (``TaylorSeerCacheConfig`` defaults).
+            timesteps 100 and 800), "taylorseer" (``TaylorSeerCacheConfig`` defaults on every
+            transformer block).
             "mag" needs calibrated ratios, so only a ``MagCacheConfig`` object is accepted.
         pipeline: the pipeline, for caches that read the current timestep.
         threshold: first-block cache threshold (default diffusers' 0.05).
@@ -73,7 +74,9 @@ def cache_config(cache: object, pipeline: object | None = None, threshold: float
             current_timestep_callback=lambda: pipeline.current_timestep,
         )
     if cache == "taylorseer":
-        return TaylorSeerCacheConfig()
+        # diffusers' default patterns ("^blocks.*attn", matched whole) miss Wan's "attn1"/"attn2",
+        # so name the blocks: their outputs are predicted from the Taylor factors.
+        return TaylorSeerCacheConfig(cache_identifiers=[r"blocks\.\d+"])
     if cache == "mag":
         raise ValueError(
             "cache='mag' needs the model's calibrated magnitude ratios: pass "
