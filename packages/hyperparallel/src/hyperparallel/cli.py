@@ -11,7 +11,8 @@ from rich.console import Console
 
 from hyperparallel import env
 from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
-from hyperparallel.models.parallelize import parse_mesh
+from hyperparallel.parallel.dims import parse_mesh
+from hyperparallel.parallel.layout import check_layout
 from hyperparallel.train.checkpoint import CheckpointError, has_checkpoints
 from hyperparallel.train.config import TrainConfig, load_config
 from hyperparallel.train.outdir import prepare_out_dir
@@ -19,7 +20,8 @@ from hyperparallel.train.presets import PRESETS
 from npu_core.dist import is_torchrun, run
 
 app = typer.Typer(
-    help="Parallel training for PyTorch: distributed Muon on FSDP2/HSDP.",
+    help="Parallel training for PyTorch: distributed Muon, FSDP2/HSDP, expert and pipeline "
+    "parallelism.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -74,7 +76,20 @@ def train(
     nproc: Annotated[
         int | None, typer.Option(help="Local ranks (default 4; torchrun's own otherwise).")
     ] = None,
-    mesh: Annotated[str | None, typer.Option(help="'fsdp' or 'RxS' for HSDP, e.g. '2x2'.")] = None,
+    mesh: Annotated[
+        str | None,
+        typer.Option(
+            help="Named mesh: 'pp=2,dp_shard=2', 'ep=2,dp_shard=2', 'dp_replicate=2,dp_shard=2' "
+            "(dims pp, dp_replicate, ep, dp_shard; product = ranks); aliases 'fsdp', '2x2'."
+        ),
+    ] = None,
+    pp_schedule: Annotated[
+        str | None,
+        typer.Option(help="Pipeline schedule: 1f1b, interleaved_1f1b, dualpipev, zbv."),
+    ] = None,
+    microbatches: Annotated[
+        int | None, typer.Option(help="Micro-batches per step under a pp dimension.")
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="Total optimizer steps.")] = None,
     timeout: Annotated[
         float | None,
@@ -117,6 +132,8 @@ def train(
     flags = {
         "parallel.nproc": nproc,
         "parallel.mesh": mesh,
+        "parallel.pp_schedule": pp_schedule,
+        "parallel.microbatches": microbatches,
         "steps": steps,
         "parallel.timeout_s": timeout,
         "data.path": data,
@@ -135,7 +152,7 @@ def train(
     try:
         cfg = load_config(PRESETS[preset](), config, overrides)
         if not is_torchrun():  # under torchrun the world size is known only to the ranks
-            parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc)
+            check_layout(cfg, parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc))
         _check_data(cfg)
         out = Path(cfg.out_dir)
         if resume and not overwrite and not has_checkpoints(out / "checkpoints"):

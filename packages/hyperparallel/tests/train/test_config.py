@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from hyperparallel.models.parallelize import parse_mesh
 from hyperparallel.train import checkpoint
 from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
@@ -36,23 +35,6 @@ def test_missing_config_file_is_named(tmp_path):
     """A --config path that does not exist is reported as such."""
     with pytest.raises(ValueError, match=r"--config .*nope.toml: no such file"):
         load_config(debug(), tmp_path / "nope.toml")
-
-
-@pytest.mark.parametrize(
-    ("mesh", "world", "shape"), [("fsdp", 4, (4,)), ("2x2", 4, (2, 2)), ("1X3", 3, (1, 3))]
-)
-def test_parse_mesh_shapes(mesh, world, shape):
-    """'fsdp' is 1-D over all ranks; 'RxS' is HSDP."""
-    assert parse_mesh(mesh, world) == shape
-
-
-@pytest.mark.parametrize(
-    ("mesh", "message"), [("ring", "use 'fsdp' or 'RxS'"), ("2x3", "!= world")]
-)
-def test_parse_mesh_rejects_bad_shapes(mesh, message):
-    """Unknown forms and shapes that do not multiply to the world size are refused."""
-    with pytest.raises(ValueError, match=message):
-        parse_mesh(mesh, 4)
 
 
 def test_lr_schedule_warms_up_then_decays_to_floor():

@@ -1,8 +1,9 @@
 """Byte-level text corpora that need no download: Python's own standard library by default.
 
 Tokens are raw bytes (vocabulary 256). The corpus is split by position into training and held-out
-validation bytes; batches are random windows drawn with a generator seeded per rank and step, so a
-resumed run draws exactly the batches the uninterrupted run would have.
+validation bytes; each sample is a random window drawn with a generator seeded by (seed, sample,
+step), so a resumed run draws exactly the batches the uninterrupted run would have, and layouts
+with the same global batch draw the same samples.
 """
 
 from __future__ import annotations
@@ -91,16 +92,21 @@ class ByteBatches:
     """Random fixed-length windows of a byte corpus, split into train and validation parts.
 
     Args:
-        corpus: the bytes.
+        corpus: the bytes, or a 1-D tensor of token ids (:mod:`hyperparallel.data.tokens`).
         seq_len: tokens per sample (each window holds seq_len + 1 bytes: inputs and targets).
         val_fraction: tail share of the corpus held out for validation.
-        seed: base seed; batch ``step`` of ``rank`` is reproducible from (seed, rank, step).
+        seed: base seed; sample ``j`` of ``step`` is reproducible from (seed, j, step).
     """
 
-    def __init__(self, corpus: bytes, seq_len: int, val_fraction: float = 0.05, seed: int = 0):
+    def __init__(
+        self, corpus: bytes | torch.Tensor, seq_len: int, val_fraction: float = 0.05, seed: int = 0
+    ):
         if not 0 < val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+        if isinstance(corpus, torch.Tensor):  # token ids already (hyperparallel.data.tokens)
+            data = corpus.long().flatten()
+        else:
+            data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
         split = int(len(data) * (1 - val_fraction))
         self.train, self.val = data[:split], data[split:]
         if len(self.val) <= seq_len + 1 or len(self.train) <= seq_len + 1:
@@ -110,22 +116,29 @@ class ByteBatches:
             )
         self.seq_len, self.seed = seq_len, seed
 
-    def _windows(self, data: torch.Tensor, batch: int, generator: torch.Generator):
-        starts = torch.randint(0, len(data) - self.seq_len - 1, (batch,), generator=generator)
-        windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()])
+    def _windows(self, data: torch.Tensor, samples: range, key: int):
+        # One generator per (sample, key): sample j of a step is the same window whichever
+        # rank draws it, so layouts with the same global batch see the same data.
+        starts = [
+            int(torch.randint(0, len(data) - self.seq_len - 1, (1,), generator=g))
+            for g in (_generator(self.seed, j, key) for j in samples)
+        ]
+        windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts])
         return windows[:, :-1], windows[:, 1:]
 
     def train_batch(self, step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets ``[batch, seq_len]`` int64 for ``rank`` at ``step``."""
-        return self._windows(self.train, batch, _generator(self.seed, rank, step))
+        """Inputs and targets ``[batch, seq_len]`` int64 of data-parallel ``rank`` at ``step``:
+        samples ``rank * batch ... rank * batch + batch - 1`` of the step's global batch."""
+        return self._windows(self.train, range(rank * batch, (rank + 1) * batch), step)
 
     def val_batches(self, rank: int, batch: int, count: int):
-        """The same ``count`` held-out batches every time it is called (for comparable losses)."""
-        generator = _generator(self.seed, rank, -1)
-        return [self._windows(self.val, batch, generator) for _ in range(count)]
+        """The same ``count`` held-out batches every time it is called (for comparable losses),
+        drawn like :meth:`train_batch` so every layout validates on the same samples."""
+        samples = range(rank * batch, (rank + 1) * batch)
+        return [self._windows(self.val, samples, -1 - i) for i in range(count)]
 
 
-def _generator(seed: int, rank: int, step: int) -> torch.Generator:
+def _generator(seed: int, sample: int, step: int) -> torch.Generator:
     # Arithmetic, not hash(): str hashes change per process, and every rank and every resumed
     # run must derive the same stream.
-    return torch.Generator().manual_seed(((seed * 1_000_003 + rank) * 1_000_003 + step) % 2**63)
+    return torch.Generator().manual_seed(((seed * 1_000_003 + sample) * 1_000_003 + step) % 2**63)

@@ -6,6 +6,8 @@ the layout distributed Muon orthogonalises as a batch of E matrices; FSDP2 shard
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
@@ -83,24 +85,36 @@ class MoEFeedForward(nn.Module):
         self.w_gate = nn.Parameter(torch.randn(cfg.n_experts, cfg.dim, cfg.ffn_dim) * scale_in)
         self.w_up = nn.Parameter(torch.randn(cfg.n_experts, cfg.dim, cfg.ffn_dim) * scale_in)
         self.w_down = nn.Parameter(torch.randn(cfg.n_experts, cfg.ffn_dim, cfg.dim) * scale_ffn)
+        self.dispatch: Callable | None = None
+        """Set by expert parallelism: runs the experts on the ranks that hold them."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = x.reshape(-1, x.shape[-1])
         probs = self.router(tokens).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).type_as(tokens)
-        out = torch.zeros_like(tokens)
         n_experts = probs.shape[-1]
-        for e in range(n_experts):
+        if self.dispatch is not None:
+            out = self.dispatch(self, tokens, experts, weights)
+        else:
+            out = self._local_experts(tokens, experts, weights)
+        fraction = F.one_hot(experts, n_experts).float().sum(dim=(0, 1)) / experts.numel()
+        balance = n_experts * (fraction * probs.mean(dim=0)).sum()
+        return out.view_as(x), balance
+
+    def _local_experts(
+        self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on this rank: ``tokens [T, D]``, top-k ``experts``/``weights [T, k]``."""
+        out = torch.zeros_like(tokens)
+        for e in range(self.w_gate.shape[0]):
             token_idx, slot = (experts == e).nonzero(as_tuple=True)
             if token_idx.numel() == 0:
                 continue
             h = tokens[token_idx]
             h = F.silu(h @ self.w_gate[e]) * (h @ self.w_up[e])
             out.index_add_(0, token_idx, (h @ self.w_down[e]) * weights[token_idx, slot, None])
-        fraction = F.one_hot(experts, n_experts).float().sum(dim=(0, 1)) / experts.numel()
-        balance = n_experts * (fraction * probs.mean(dim=0)).sum()
-        return out.view_as(x), balance
+        return out
 
 
 class Block(nn.Module):

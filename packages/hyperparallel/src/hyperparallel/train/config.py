@@ -23,7 +23,15 @@ class DataConfig(_Strict):
     )
     max_bytes: int = Field(4_000_000, ge=8192, description="Bytes of text read from the source.")
     seq_len: int = Field(128, ge=8, description="Tokens (bytes) per training sample.")
-    batch_size: int = Field(8, ge=1, description="Samples per rank per step.")
+    batch_size: int = Field(
+        8, ge=1, description="Samples per data-parallel rank per step (see global_batch_size)."
+    )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per step over all data-parallel ranks (dp_replicate x ep x "
+        "dp_shard); set it to compare layouts on the same batch. Overrides batch_size.",
+    )
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out tail of the corpus.")
 
 
@@ -45,7 +53,23 @@ class OptimConfig(_Strict):
 
 class ParallelConfig(_Strict):
     nproc: int = Field(4, ge=1, description="Local ranks to spawn (ignored under torchrun).")
-    mesh: str = Field("fsdp", description="'fsdp' (1-D) or 'RxS' for HSDP, e.g. '2x2'.")
+    mesh: str = Field(
+        "fsdp",
+        description="Named mesh sizes, e.g. 'pp=2,dp_shard=2', 'ep=2,dp_shard=2', "
+        "'dp_replicate=2,dp_shard=2' (dims pp, dp_replicate, ep, dp_shard; product = ranks); "
+        "'fsdp' = all ranks in dp_shard, 'RxS' = dp_replicate=R,dp_shard=S.",
+    )
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "dualpipev", "zbv"] = Field(
+        "1f1b",
+        description="Pipeline schedule under pp > 1: 1f1b, interleaved_1f1b (virtual_stages "
+        "per rank), dualpipev (pairs one micro-batch's backward with another's forward), zbv.",
+    )
+    microbatches: int = Field(
+        4, ge=1, description="Micro-batches per step under pp > 1; must divide the local batch."
+    )
+    virtual_stages: int = Field(
+        2, ge=1, description="Stages per rank for interleaved_1f1b (V schedules use 2)."
+    )
     timeout_s: float = Field(
         120.0, gt=0, description="Collective timeout: a dead peer fails the others after this."
     )

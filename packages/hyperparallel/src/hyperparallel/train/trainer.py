@@ -1,7 +1,7 @@
-"""One rank of ``hyperparallel train``: start-up, FSDP2/HSDP model, Muon + AdamW, the loop.
+"""One rank of ``hyperparallel train``: start-up, the model on its mesh, Muon + AdamW, the loop.
 
 Start-up overlaps: the process group is created in the background by mccl while this rank builds
-its model; the first collective (building the device mesh) waits for it.
+its corpus; the first collective (building the device mesh) waits for it.
 """
 
 from __future__ import annotations
@@ -16,23 +16,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import mccl
 from hyperparallel import env
 from hyperparallel.activation import ActivationTracker, SwapSchedule
 from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
-from hyperparallel.models.moe import MoETransformer
-from hyperparallel.models.parallelize import (
-    apply_activation_memory,
-    apply_fsdp,
-    build_mesh,
-    parse_mesh,
-)
 from hyperparallel.optim import get_hyper_optimizer
+from hyperparallel.parallel.dims import parse_mesh
+from hyperparallel.parallel.layout import check_layout
 from hyperparallel.train import checkpoint
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.metrics import MetricsLog
+from hyperparallel.train.model import ParallelModel, build_model
 from npu_core.device import comm_backend, detect_backend, device_for_rank
 
 StepCallback = Callable[[dict[str, float]], None]
@@ -62,10 +57,14 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def _mean_over_ranks(value: torch.Tensor | float | None) -> float:
+    """Mean of the values the reporting ranks hold (every rank, or under PP the ranks holding
+    the last stage; the others pass None)."""
+    t = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    if value is not None:
+        t[0], t[1] = float(value), 1.0
     dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return (t[0] / t[1]).item()
 
 
 def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = None) -> TrainResult:
@@ -75,21 +74,17 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         comm_backend(backend).value, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s)
     )
     device = device_for_rank(env.local_rank(), backend)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = MoETransformer(cfg.model).to(device)
     with warnings.catch_warnings():  # skipped binary files: the CLI reported them once
         warnings.simplefilter("ignore", RuntimeWarning)
         corpus = read_corpus(cfg.data.path, cfg.data.max_bytes)
     data = ByteBatches(corpus, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
-    rank, world = dist.get_rank(), dist.get_world_size()  # waits for mccl here
-    act = cfg.activation
-    policies = [*act.per_block, *[act.policy] * cfg.model.n_layers][: cfg.model.n_layers]
-    apply_activation_memory(
-        model, policies, swap_inputs=act.swap_inputs, swap_threshold_bytes=act.swap_threshold_bytes
-    )
-    apply_fsdp(model, build_mesh(parse_mesh(cfg.parallel.mesh, world), device.type))
+    world = dist.get_world_size()  # waits for mccl here
+    dims = parse_mesh(cfg.parallel.mesh, world)
+    batch = check_layout(cfg, dims)
+    meshes = dims.build(device.type)
+    net = build_model(cfg, meshes, device)
     optimizer = get_hyper_optimizer(
-        model,
+        net.owner,
         muon={
             "lr": cfg.optim.muon_lr,
             "weight_decay": cfg.optim.weight_decay,
@@ -101,44 +96,43 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     base_lrs = [group["lr"] for opt in inner for group in opt.param_groups]
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
+    rank, dp_rank = dist.get_rank(), meshes.dp_rank
     start = 0
     if resume:
-        start = _resume(ckpt_root, model, inner, cfg.steps)
+        start = _resume(ckpt_root, net.owner, inner, cfg.steps)
     log = MetricsLog.resume(out / "metrics.json", start) if rank == 0 else MetricsLog()
     train_losses, val_losses = [], []
+    act = cfg.activation
     for step in range(start, cfg.steps):
         # The inner optimizers' own groups: loading a checkpoint replaces those dicts.
         groups = [group for opt in inner for group in opt.param_groups]
         for group, base in zip(groups, base_lrs, strict=True):
             group["lr"] = base * lr_factor(step, cfg)
         began = time.perf_counter()
-        inputs, targets = data.train_batch(step, rank, cfg.data.batch_size)
+        inputs, targets = data.train_batch(step, dp_rank, batch)
         schedule = SwapSchedule(act.offload_after, act.prefetch_ahead, act.early_recompute)
         with ActivationTracker() as tracker, schedule:
-            logits, balance = model(inputs.to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
+            loss = net.forward_backward(inputs.to(device), targets.to(device))
         saved = tracker.report()
-        backward_began = time.perf_counter()
-        (loss + cfg.optim.balance_weight * balance).backward()
         opt_began = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         optim_ms = (time.perf_counter() - opt_began) * 1e3
-        mean_loss = _mean_over_ranks(loss.item())
+        mean_loss = _mean_over_ranks(loss)
         train_losses.append(mean_loss)
         record = {
             "step": step + 1,
             "loss": mean_loss,
             "lr_factor": lr_factor(step, cfg),
-            "tokens_per_s": world * inputs.numel() / (time.perf_counter() - began),
+            "tokens_per_s": dims.dp_size * inputs.numel() / (time.perf_counter() - began),
             "optim_ms": optim_ms,
-            "backward_ms": (opt_began - backward_began) * 1e3,
+            "backward_ms": (opt_began - began) * 1e3,
             "saved_device_mb": saved.device_bytes / 2**20,
             "saved_host_mb": saved.host_bytes / 2**20,
             "saved_recomputed_mb": saved.recomputed_bytes / 2**20,
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            record["val_loss"] = _validate(model, data, rank, cfg, device)
+            record["val_loss"] = _validate(net, data, dp_rank, batch, cfg, device)
             val_losses.append(record["val_loss"])
             if rank == 0:
                 log.val.append({"step": step + 1, "loss": record["val_loss"]})
@@ -147,7 +141,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             if on_step is not None:
                 on_step(record)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            checkpoint.save(ckpt_root, step + 1, model, inner)
+            checkpoint.save(ckpt_root, step + 1, net.owner, inner)
             if rank == 0:
                 log.write(out / "metrics.json", cfg.model_dump())
     if rank == 0:
@@ -187,12 +181,17 @@ def _resume(root: Path, model: torch.nn.Module, optimizers: tuple, steps: int) -
     return start
 
 
-@torch.no_grad()
 def _validate(
-    model: torch.nn.Module, data: ByteBatches, rank: int, cfg: TrainConfig, device: torch.device
+    net: ParallelModel,
+    data: ByteBatches,
+    dp_rank: int,
+    batch: int,
+    cfg: TrainConfig,
+    device: torch.device,
 ) -> float:
     losses = []
-    for inputs, targets in data.val_batches(rank, cfg.data.batch_size, cfg.eval_batches):
-        logits, _ = model(inputs.to(device))
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()))
-    return _mean_over_ranks(torch.stack(losses).mean().item())
+    for inputs, targets in data.val_batches(dp_rank, batch, cfg.eval_batches):
+        loss = net.evaluate(inputs.to(device), targets.to(device))
+        if loss is not None:
+            losses.append(loss)
+    return _mean_over_ranks(torch.stack(losses).mean() if losses else None)
