@@ -7,7 +7,8 @@ Models (tiny configs, random weights, see ``zoo/library.py``): BERT, ViT, Whispe
 Qwen3, Mistral, DiT (diffusers), ResNet-18 (transformers), and the look-alike DCGAN generator
 (no library ships one). Modes: ``infer-fp32``, ``infer-bf16``, ``train-fp32``, ``train-bf16``.
 Inference compiles with ``freezing`` (weights become constants, as Inductor's own CPU dashboard
-runs inference); ``--no-freezing`` turns it off. A training step is forward + loss + backward.
+runs inference; set globally while calling, since Dynamo reads the global flag when tracing);
+``--no-freezing`` turns it off. A training step is forward + loss + backward.
 
 Per (model, mode) three compiled variants of the same module: plain Inductor, an A/A control
 (mfusion's options path with every pass off: the same graph, compiled separately, so its ratio is
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-bench-"))
 
 import torch._dynamo
+import torch._inductor.config as inductor_config
 from zoo.library import MODELS, TrainStep
 
 import mfusion
@@ -110,7 +112,10 @@ class Runner:
         module = module or self.module
         inputs = self.reference_inputs if module is self.reference_module else self.inputs
         if not self.train:
-            with torch.no_grad():
+            # Dynamo reads the *global* freezing flag while tracing (parameters become graph
+            # attributes only then); freezing passed through torch.compile(options=...) alone
+            # reaches Inductor too late and leaves every weight a graph input.
+            with torch.no_grad(), inductor_config.patch(freezing=self.freezing):
                 return fn(*inputs)
         for p in module.parameters():
             p.grad = None
@@ -119,10 +124,7 @@ class Runner:
         return [loss, *(p.grad for p in module.parameters() if p.grad is not None)]
 
     def compiled(self, options: dict[str, object]) -> Callable[..., torch.Tensor]:
-        options = dict(options)
-        if self.freezing:
-            options["freezing"] = True
-        return torch.compile(self.module, options=options)
+        return torch.compile(self.module, options=dict(options))
 
 
 def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, object]:
