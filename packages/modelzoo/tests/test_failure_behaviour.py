@@ -69,7 +69,7 @@ def test_validate_refuses_what_is_not_a_card_file(files, name, expected):
 
 def test_convert_without_out_is_refused(files):
     """--out is required: one line naming it."""
-    _refused(["convert", EXPORT_CARD, "--tiny"], files, "out: Field required")
+    _refused(["convert", EXPORT_CARD, "--tiny"], files, "--out is required")
 
 
 def test_run_takes_settings_from_config_file_and_set(tmp_path):

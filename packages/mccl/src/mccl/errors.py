@@ -17,18 +17,23 @@ class InitTimeoutError(MCCLError, TimeoutError):
         timeout: the limit that passed, in seconds.
     """
 
-    def __init__(self, message: str, *, missing_ranks: list[int], address: str, timeout: float):
+    def __init__(
+        self, message: str, *, missing_ranks: list[int], address: str, timeout: float
+    ) -> None:
         super().__init__(message)
         self.missing_ranks = missing_ranks
         self.address = address
         self.timeout = timeout
 
-    def __reduce__(self):  # keep the attributes when a launcher ships the error between processes
+    def __reduce__(self) -> tuple[object, tuple[str, list[int], str, float]]:
+        # Keep the attributes when a launcher ships the error between processes.
         return (
             _rebuild_timeout,
             (str(self), self.missing_ranks, self.address, self.timeout),
         )
 
 
-def _rebuild_timeout(message: str, missing: list[int], address: str, timeout: float):
+def _rebuild_timeout(
+    message: str, missing: list[int], address: str, timeout: float
+) -> InitTimeoutError:
     return InitTimeoutError(message, missing_ranks=missing, address=address, timeout=timeout)

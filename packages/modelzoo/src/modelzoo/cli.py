@@ -134,6 +134,8 @@ def convert(
     from modelzoo.convert import convert as run_convert
 
     card = _card(name)
+    if config.out is None:
+        raise _fail(InputError("--out is required: the folder for the artefact and manifest"))
     settings = config.model_dump()
     try:
         with console.status(f"converting {name}"):

@@ -40,7 +40,11 @@ class SourceOptions(StrictConfig):
 class ConvertOptions(SourceOptions):
     """``modelzoo convert``: where the artefact goes."""
 
-    out: Path = Field(description="Output folder for the artefact and manifest.json.")
+    # Optional only in the model: npu_core.cli validates --config/--set before it applies the
+    # options given on the command line, so a required field could not come from its option.
+    out: Path | None = Field(
+        None, description="Output folder for the artefact and manifest.json (required)."
+    )
     overwrite: bool = Field(
         False, description="Replace a previous conversion in --out (only its files)."
     )
