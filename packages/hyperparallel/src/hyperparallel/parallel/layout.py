@@ -48,6 +48,17 @@ def check_layout(cfg, dims: ParallelDims) -> int:
             f"model.n_experts={cfg.model.n_experts} must be divisible by ep x dp_shard = "
             f"{dims.ep} x {dims.dp_shard} (each rank stores whole experts)"
         )
+    if par.pp_early_recompute:
+        if dims.pp == 1 or par.pp_schedule not in ("1f1b", "dualpipev"):
+            raise ValueError(
+                "parallel.pp_early_recompute needs a pp dimension and --pp-schedule 1f1b or "
+                f"dualpipev (got --mesh {dims.spec()}, --pp-schedule {par.pp_schedule})"
+            )
+        if cfg.activation.policy == "none" and not cfg.activation.per_block:
+            raise ValueError(
+                "parallel.pp_early_recompute has nothing to replay with --activation none; "
+                "choose a policy that recomputes (recompute, selective)"
+            )
     if dims.pp > 1:
         n_stages = dims.pp * stages_per_rank(par.pp_schedule, par.virtual_stages)
         split_layers(cfg.model.n_layers, n_stages)

@@ -212,9 +212,12 @@ def build_pipeline(
     device: torch.device,
     balance_weight: float,
     shard: Callable[[StageModule], None],
+    early_recompute: bool = False,
 ) -> Pipeline:
     """Cut ``model`` into this rank's stages, shard each (``shard``: FSDP / EP per stage), and
-    build the ``torch.distributed.pipelining`` schedule over ``pp_mesh``."""
+    build the ``torch.distributed.pipelining`` schedule over ``pp_mesh``. ``early_recompute``
+    (1f1b, dualpipev) uses hyperparallel.activation's schedules that replay a micro-batch's
+    checkpointed blocks ahead of its backward."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
 
@@ -230,6 +233,10 @@ def build_pipeline(
         modules.append(module)
         stages.append(PipelineStage(module, index, n_stages, device, group=pp_mesh.get_group()))
     cls = getattr(pipelining, _SCHEDULE_CLASS[schedule])
+    if early_recompute:
+        from hyperparallel.activation import EarlyRecompute1F1B, EarlyRecomputeDualPipeV
+
+        cls = {"1f1b": EarlyRecompute1F1B, "dualpipev": EarlyRecomputeDualPipeV}[schedule]
     if schedule == "1f1b":
         runner = cls(stages[0], microbatches, loss_fn=lm_loss)
     else:

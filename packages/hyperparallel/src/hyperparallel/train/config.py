@@ -67,6 +67,12 @@ class ParallelConfig(_Strict):
     microbatches: int = Field(
         4, ge=1, description="Micro-batches per step under pp > 1; must divide the local batch."
     )
+    pp_early_recompute: bool = Field(
+        False,
+        description="Under 1f1b / dualpipev, replay each micro-batch's checkpointed blocks "
+        "ahead of its backward (dualpipev: right before the paired forward) instead of inside "
+        "it; needs an activation policy that recomputes.",
+    )
     virtual_stages: int = Field(
         2, ge=1, description="Stages per rank for interleaved_1f1b (V schedules use 2)."
     )

@@ -81,5 +81,6 @@ def build_model(cfg: TrainConfig, meshes: MeshSet, device: torch.device) -> Para
         device=device,
         balance_weight=weight,
         shard=shard,
+        early_recompute=par.pp_early_recompute,
     )
     return ParallelModel(pipeline.view, meshes, None, pipeline, weight)
