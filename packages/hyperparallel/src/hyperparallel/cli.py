@@ -1,4 +1,4 @@
-"""``hyperparallel train``: the MoE transformer on FSDP2/HSDP with Muon + AdamW."""
+"""``hyperparallel train``: the MoE transformer on a named mesh (FSDP2, HSDP, EP, PP), Muon."""
 
 from __future__ import annotations
 
