@@ -85,7 +85,7 @@ def train(
     ] = None,
     pp_schedule: Annotated[
         str | None,
-        typer.Option(help="Pipeline schedule: 1f1b, interleaved_1f1b, dualpipev, zbv."),
+        typer.Option(help="Pipeline schedule: 1f1b, interleaved_1f1b, dualpipev."),
     ] = None,
     microbatches: Annotated[
         int | None, typer.Option(help="Micro-batches per step under a pp dimension.")

@@ -43,7 +43,6 @@ LAYOUTS = [
         "pp=2,dp_shard=2", "interleaved_1f1b", id="pp-interleaved", marks=pytest.mark.slow
     ),
     pytest.param("pp=2,dp_shard=2", "dualpipev", id="pp-dualpipev", marks=pytest.mark.slow),
-    pytest.param("pp=2,dp_shard=2", "zbv", id="pp-zbv", marks=pytest.mark.slow),
 ]
 
 

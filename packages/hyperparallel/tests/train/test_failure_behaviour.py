@@ -64,7 +64,7 @@ REFUSED = [
         ["--mesh", "pp=2", "--microbatches", "3", "--set", "model.n_layers=2"],
         "parallel.microbatches=3 must divide the 4 samples",
     ),
-    ("unknown pp schedule", ["--pp-schedule", "gpipe"], "parallel.pp_schedule: Input should be"),
+    ("unknown pp schedule", ["--pp-schedule", "zbv"], "parallel.pp_schedule: Input should be"),
     ("bool as int", ["--set", "data.batch_size=true"], "data.batch_size: True is a boolean"),
     ("bool as float", ["--set", "optim.muon_lr=false"], "optim.muon_lr: False is a boolean"),
     ("nan lr", ["--set", "optim.muon_lr=nan"], "optim.muon_lr: Input should be a finite number"),

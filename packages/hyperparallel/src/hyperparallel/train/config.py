@@ -59,10 +59,10 @@ class ParallelConfig(_Strict):
         "'dp_replicate=2,dp_shard=2' (dims pp, dp_replicate, ep, dp_shard; product = ranks); "
         "'fsdp' = all ranks in dp_shard, 'RxS' = dp_replicate=R,dp_shard=S.",
     )
-    pp_schedule: Literal["1f1b", "interleaved_1f1b", "dualpipev", "zbv"] = Field(
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "dualpipev"] = Field(
         "1f1b",
         description="Pipeline schedule under pp > 1: 1f1b, interleaved_1f1b (virtual_stages "
-        "per rank), dualpipev (pairs one micro-batch's backward with another's forward), zbv.",
+        "per rank), dualpipev (pairs one micro-batch's backward with another's forward).",
     )
     microbatches: int = Field(
         4, ge=1, description="Micro-batches per step under pp > 1; must divide the local batch."
