@@ -34,3 +34,31 @@ def test_generate_two_ranks_writes_gif_and_contact_sheet(tmp_path):
     sheet = Image.open(out / "contact_sheet.png")
     assert sheet.size == (3 * 64, 2 * 64)
     assert sorted(p.name for p in out.iterdir()) == ["contact_sheet.png", "video.gif"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1000)
+def test_generate_with_step_cache_and_spatial_vae(tmp_path):
+    """The cache and VAE-mode options reach BoostManager / ParallelManager and a video comes out."""
+    out = tmp_path / "run"
+    args = ["generate", "--nproc", "2", "--steps", "3", "--frames", "5", "--out", str(out)]
+    args += ["--cache", "first_block", "--cache-threshold", "0.2", "--vae-mode", "spatial"]
+    result = CliRunner().invoke(app, [*args, "--timeout", "900"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert Image.open(out / "video.gif").n_frames == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cache", "pab", "--cache-threshold", "0.2"], "cache_threshold applies to"),
+        (["--cache", "magic"], "cache: Input should be 'first_block', 'pab' or 'taylorseer'"),
+        (["--vae-mode", "diagonal"], "vae_mode: Input should be 'temporal' or 'spatial'"),
+    ],
+)
+def test_cache_and_vae_mode_refused_before_work(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["generate", *args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 import typer
@@ -138,3 +138,47 @@ def test_declaration_errors_are_caught_early():
         config_options(Job, flags={"parallel.bogus": "--bogus"})
     with pytest.raises(TypeError, match="needs a `config` parameter"):
         config_options(Job)(lambda steps: None)
+
+
+class Export(StrictConfig):
+    out: Path = Field(description="Where the export goes (required).")
+    dtype: str = Field("float32", description="Weights dtype.")
+
+
+def _export_app(seen: list) -> typer.Typer:
+    app = typer.Typer(add_completion=False)
+
+    @app.command()
+    @config_options(Export)
+    def export(
+        config: Export,
+        overwrite: Annotated[bool, typer.Option("--overwrite", "-f", help="Replace it.")] = False,
+    ) -> None:
+        seen.append((config, overwrite))
+
+    @app.command()
+    def other() -> None:
+        pass
+
+    return app
+
+
+def test_a_required_field_may_come_from_its_option_or_a_layer(tmp_path: Path):
+    seen: list = []
+    result = CliRunner().invoke(_export_app(seen), ["export", "--out", "x", "-f"])
+    assert result.exit_code == 0, result.output
+    assert seen == [(Export(out=Path("x")), True)]
+    toml = tmp_path / "e.toml"
+    toml.write_text('out = "from-toml"\n')
+    result = CliRunner().invoke(_export_app(seen), ["export", "--config", str(toml)])
+    assert result.exit_code == 0 and seen[-1][0].out == Path("from-toml")
+    result = CliRunner().invoke(_export_app(seen), ["export"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: invalid configuration: out: Field required"
+
+
+def test_own_options_keep_help_and_aliases_under_postponed_annotations():
+    # this module uses `from __future__ import annotations`: annotations are strings here
+    result = CliRunner().invoke(_export_app([]), ["export", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "-f" in result.output and "Replace it." in result.output

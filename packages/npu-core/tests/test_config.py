@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from npu_core.config import ConfigError, StrictConfig, parse_value
 
@@ -115,3 +115,20 @@ def test_fingerprint_is_stable_across_processes():
         for _ in range(2)
     }
     assert outputs == {Run.load(overrides=["steps=3"]).fingerprint()}
+
+
+class Window(StrictConfig):
+    start: int = 0
+    stop: int = 10
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Window:
+        if self.stop <= self.start:
+            raise ValueError(f"stop={self.stop} must exceed start={self.start}")
+        return self
+
+
+def test_a_check_across_fields_reads_as_its_own_message():
+    with pytest.raises(ConfigError) as err:
+        Window.load(overrides=["start=5", "stop=5"])
+    assert str(err.value) == "invalid configuration: stop=5 must exceed start=5"

@@ -102,6 +102,22 @@ def test_installed_probe_runs_once():
     assert calls == [1]
 
 
+def test_constraints_are_checked_before_the_install_probe():
+    probed = []
+
+    def probe() -> str | None:  # stands for an import or a kernel build
+        probed.append(1)
+        return None
+
+    reg: Registry = Registry("test kernel")
+    reg.register(Plugin("gpu_only", "G", DeviceDtype(("cuda",)), probe, priority=0))
+    reg.register(Plugin("fallback", "F", DeviceDtype()))
+    assert reg.select(Call("cpu", torch.float32)).impl == "F"
+    assert probed == []
+    assert reg.select(Call("cuda", torch.float32)).impl == "G"
+    assert probed == [1]
+
+
 def test_each_choice_logged_once(caplog: pytest.LogCaptureFixture):
     reg = _registry()
     with caplog.at_level(logging.INFO, logger="npu_core.plugins"):

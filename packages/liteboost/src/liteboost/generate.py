@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from liteboost.attention.backends import parse_backend
 from npu_core.config import StrictConfig
@@ -49,13 +49,39 @@ class GenerateOptions(StrictConfig):
     ring: int = Field(
         1, ge=1, description="Ring-attention degree (K/V passed between ranks); 1 = off."
     )
-    vae_parallel: bool = Field(True, description="Split VAE decode over time across ranks.")
+    vae_parallel: bool = Field(True, description="Split the VAE decode across ranks.")
+    vae_mode: Literal["temporal", "spatial"] | None = Field(
+        None,
+        description="How the VAE decode is split: temporal (spans of frames, bit-identical to "
+        "stock), spatial (row slabs with halo exchange, equal to float rounding); default: "
+        "whichever does less work for the shape.",
+    )
+    cache: Literal["first_block", "pab", "taylorseer"] | None = Field(
+        None,
+        description="Step caching through diffusers' hooks: first_block (skip the remaining "
+        "blocks when the first block's output barely changed), pab (pyramid attention "
+        "broadcast), taylorseer (extrapolated features); default: none.",
+    )
+    cache_threshold: float | None = Field(
+        None,
+        gt=0,
+        description="first_block: relative change below which a step reuses the cache "
+        "(diffusers' default 0.05; random-weight models need ~0.2 to skip anything).",
+    )
     attention_backend: str | None = Field(
         None, description="Dense attention: fa3, fa2, npu or sdpa; default: first usable."
     )
     out: str = Field("liteboost-out", description="Output folder.")
     video_format: Literal["gif", "mp4"] = Field("gif", description="gif or mp4.")
     max_sequence_length: int = Field(64, ge=1, description="Prompt tokens.")
+
+    @model_validator(mode="after")
+    def _threshold_needs_first_block(self) -> GenerateOptions:
+        if self.cache_threshold is not None and self.cache != "first_block":
+            raise ValueError(
+                f"cache_threshold applies to cache='first_block', not cache={self.cache!r}"
+            )
+        return self
 
     @field_validator("attention_backend")
     @classmethod
@@ -95,6 +121,8 @@ def generate_rank(options: GenerateOptions) -> dict | None:
         sparsity=options.sparsity,
         attention_backend=options.attention_backend,
         block_size=options.block_size,
+        cache=options.cache,
+        cache_threshold=options.cache_threshold,
     )
     parallel = ParallelManager(
         pipe,
@@ -102,6 +130,7 @@ def generate_rank(options: GenerateOptions) -> dict | None:
         vae_parallel=options.vae_parallel,
         cfg_degree=options.cfg_parallel,
         ring_degree=options.ring,
+        vae_mode=options.vae_mode,
     )
     seed = parallel.sync_seed(options.seed)
     lead = _rank() == 0

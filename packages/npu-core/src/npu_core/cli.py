@@ -28,7 +28,7 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from npu_core.config import ConfigError, StrictConfig, set_dotted
+from npu_core.config import ConfigError, StrictConfig, layer_tree, set_dotted
 
 EXIT_USAGE = 2
 """Exit code of a refused input, as click uses for usage errors."""
@@ -77,7 +77,13 @@ def config_options(
         if "config" not in signature.parameters:
             raise TypeError(f"{func.__name__} needs a `config` parameter to receive {model}")
         hints = typing.get_type_hints(func, include_extras=True)
-        own = [p for p in signature.parameters.values() if p.name != "config"]
+        # resolved annotations: under `from __future__ import annotations` they are strings,
+        # and typer would not see the typer.Option (help, aliases) inside an Annotated string
+        own = [
+            p.replace(annotation=hints.get(p.name, p.annotation))
+            for p in signature.parameters.values()
+            if p.name != "config"
+        ]
         generated = {
             _param_name(path): (path, _option_parameter(path, field, flags))
             for path, field in _leaf_fields(model)
@@ -121,7 +127,7 @@ def config_options(
                 kwargs.pop(name, None)
             try:
                 start = base(dict(kwargs)) if base is not None else None
-                tree = model.load(start, toml_path, overrides).model_dump()
+                tree = layer_tree(start, toml_path, overrides)
                 for key, value in explicit.items():
                     set_dotted(tree, key, value.value if isinstance(value, enum.Enum) else value)
                 config = model.validate_tree(tree)

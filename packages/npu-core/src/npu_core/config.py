@@ -72,13 +72,7 @@ class StrictConfig(BaseModel):
         Raises:
             ConfigError: one line naming every invalid key, its value and what is allowed.
         """
-        tree = base.model_dump() if isinstance(base, StrictConfig) else dict(base or {})
-        if toml_path is not None:
-            merge(tree, read_toml(toml_path))
-        for item in overrides or []:
-            key, value = parse_override(item, override_flag)
-            set_dotted(tree, key, value, override_flag)
-        return cls.validate_tree(tree)
+        return cls.validate_tree(layer_tree(base, toml_path, overrides, override_flag))
 
     @classmethod
     def validate_tree(cls, tree: dict[str, Any]) -> Self:
@@ -89,15 +83,36 @@ class StrictConfig(BaseModel):
             raise ConfigError(f"invalid configuration: {describe_errors(exc)}") from None
 
 
+def layer_tree(
+    base: StrictConfig | dict[str, Any] | None = None,
+    toml_path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    override_flag: str = "--set",
+) -> dict[str, Any]:
+    """The layers of :meth:`StrictConfig.load` as a plain dict, not validated yet.
+
+    For callers that add a further layer (command-line options) before the one validation, so
+    that a required field may come from any layer.
+    """
+    tree = base.model_dump() if isinstance(base, StrictConfig) else dict(base or {})
+    if toml_path is not None:
+        merge(tree, read_toml(toml_path))
+    for item in overrides or []:
+        key, value = parse_override(item, override_flag)
+        set_dotted(tree, key, value, override_flag)
+    return tree
+
+
 def describe_errors(exc: ValidationError) -> str:
     """``key.path: message (got value)`` for each error, joined by ``; ``."""
     parts = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        where = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         got = error.get("input")
         shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
-        parts.append(f"{where}: {message}{shown}")
+        # a check across fields (a model validator) has no location; its message names them
+        parts.append(f"{where}: {message}{shown}" if where else message)
     return "; ".join(parts)
 
 

@@ -5,8 +5,9 @@ sparse-attention kernels, fusion backends) follows the same rule, so a user can 
 force the choice:
 
 1. A plug-in declares what it accepts (``constraints.rejection(call)`` says why not, or None)
-   and whether it is installed at all (``installed()``, probed once per process: an optional
-   package that does not import, a device that is absent).
+   and whether it is installed at all (``installed()``, probed once per process and only for a
+   call its constraints accept: an optional package that does not import, a kernel that does
+   not build, a device that is absent).
 2. A call goes to the first plug-in in priority order (lowest ``priority`` first, then
    registration order) that is installed and accepts it.
 3. A forced choice (an argument or an environment variable the caller reads) that is unknown,
@@ -198,10 +199,13 @@ class Registry(Generic[T, C]):
         return sorted(self._plugins.values(), key=lambda p: (p.priority, order[p.name]))
 
     def _rejection(self, plugin: Plugin[T, C], call: C) -> str | None:
+        # Constraints first: they are cheap facts, while an install probe may import a package
+        # or build a kernel, which a call the plug-in could never take should not pay for.
+        reason = plugin.constraints.rejection(call)
+        if reason is not None:
+            return reason
         missing = self.why_not_installed(plugin.name)
-        if missing is not None:
-            return f"not installed ({missing})"
-        return plugin.constraints.rejection(call)
+        return None if missing is None else f"not installed ({missing})"
 
     def _log_once(self, plugin: Plugin[T, C], call: C, why: str) -> None:
         key = (plugin.name, call)
