@@ -96,7 +96,7 @@ def main() -> None:
     for row in rows:
         cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()]
         lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines) + f"\n\nMachine: {machine_line()}\n"
+    table = "\n".join(lines) + f"\n\n{machine_line()}\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "layouts.md").write_text(table)
     print(table)
