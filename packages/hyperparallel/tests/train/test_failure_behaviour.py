@@ -65,8 +65,16 @@ REFUSED = [
         "parallel.microbatches=3 must divide the 4 samples",
     ),
     ("unknown pp schedule", ["--pp-schedule", "zbv"], "parallel.pp_schedule: Input should be"),
-    ("bool as int", ["--set", "data.batch_size=true"], "data.batch_size: True is a boolean"),
-    ("bool as float", ["--set", "optim.muon_lr=false"], "optim.muon_lr: False is a boolean"),
+    (
+        "bool as int",
+        ["--set", "data.batch_size=true"],
+        "data.batch_size: a boolean is not a number (got True)",
+    ),
+    (
+        "bool as float",
+        ["--set", "optim.muon_lr=false"],
+        "optim.muon_lr: a boolean is not a number (got False)",
+    ),
     ("nan lr", ["--set", "optim.muon_lr=nan"], "optim.muon_lr: Input should be a finite number"),
     ("negative timeout", ["--timeout", "-1"], "parallel.timeout_s: Input should be greater than 0"),
     ("infinite timeout", ["--timeout", "inf"], "parallel.timeout_s: Input should be a finite"),

@@ -6,11 +6,10 @@ overrides, in that order; each layer is validated as a whole so errors name the 
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from hyperparallel._config import StrictModel as _Strict
 from hyperparallel.activation.policy import POLICY_NAMES
@@ -151,67 +150,14 @@ class TrainConfig(_Strict):
         return self
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for key in parents:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"--set {dotted}: {key} is not a section")
-    node[leaf] = value
-
-
-def _parse_value(text: str) -> Any:
-    # TOML's own scalar grammar: 3, 0.5, true, "text"; bare words stay strings.
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def load_config(
     base: TrainConfig, toml_path: str | Path | None = None, overrides: list[str] | None = None
 ) -> TrainConfig:
     """Apply a TOML file, then ``key.sub=value`` overrides, to ``base``; validate the result.
 
+    The layering and the override grammar are npu-core's (:meth:`StrictConfig.load`).
+
     Raises:
         ValueError: with every invalid field named (``model.n_heads: ...``).
     """
-    tree = base.model_dump()
-    if toml_path is not None:
-        path = Path(toml_path)
-        if not path.is_file():
-            raise ValueError(f"--config {path}: no such file")
-        try:
-            _merge(tree, tomllib.loads(path.read_text()))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected key.sub=value")
-        _set_dotted(tree, key.strip(), _parse_value(value.strip()))
-    try:
-        return TrainConfig.model_validate(tree)
-    except ValidationError as exc:
-        raise ValueError(f"invalid configuration: {_describe(exc)}") from None
-
-
-def _describe(exc: ValidationError) -> str:
-    """``key.path: rule (got value)`` for each error, joined by ``; ``."""
-    parts = []
-    for error in exc.errors():
-        where = ".".join(map(str, error["loc"]))
-        message = error["msg"].removeprefix("Value error, ")
-        got = error.get("input")
-        shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
-        parts.append(f"{where}: {message}{shown}" if where else message)
-    return "; ".join(parts)
-
-
-def _merge(tree: dict[str, Any], update: dict[str, Any]) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(tree.get(key), dict):
-            _merge(tree[key], value)
-        else:
-            tree[key] = value
+    return TrainConfig.load(base, toml_path, overrides)
