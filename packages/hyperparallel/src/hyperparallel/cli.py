@@ -14,9 +14,11 @@ from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
 from hyperparallel.parallel.dims import parse_mesh
 from hyperparallel.parallel.layout import check_layout
 from hyperparallel.train.checkpoint import CheckpointError, has_checkpoints
-from hyperparallel.train.config import TrainConfig, load_config
+from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.outdir import prepare_out_dir
 from hyperparallel.train.presets import PRESETS
+from npu_core.cli import config_options
+from npu_core.config import ConfigError
 from npu_core.dist import is_torchrun, run
 
 app = typer.Typer(
@@ -63,44 +65,33 @@ def _rank_main(cfg: TrainConfig, resume: bool):
         return train_rank(cfg, resume, on_step)
 
 
+def _preset(args: dict) -> TrainConfig:
+    name = args["preset"]
+    if name not in PRESETS:
+        raise ConfigError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
 @app.command()
+@config_options(
+    TrainConfig,
+    flags={
+        "parallel.nproc": "--nproc",
+        "parallel.mesh": "--mesh",
+        "parallel.pp_schedule": "--pp-schedule",
+        "parallel.microbatches": "--microbatches",
+        "parallel.timeout_s": "--timeout",
+        "data.path": "--data",
+        "activation.policy": "--activation",
+        "activation.swap_inputs": "--swap-inputs",
+    },
+    base=_preset,
+)
 def train(
+    config: TrainConfig,
     preset: Annotated[
         str, typer.Option(help=f"Base configuration: {', '.join(PRESETS)}.")
     ] = "default",
-    config: Annotated[Path | None, typer.Option(help="TOML file applied over the preset.")] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override any field: --set model.dim=256 --set steps=50."),
-    ] = None,
-    nproc: Annotated[
-        int | None, typer.Option(help="Local ranks (default 4; torchrun's own otherwise).")
-    ] = None,
-    mesh: Annotated[
-        str | None,
-        typer.Option(
-            help="Named mesh: 'pp=2,dp_shard=2', 'ep=2,dp_shard=2', 'dp_replicate=2,dp_shard=2' "
-            "(dims pp, dp_replicate, ep, dp_shard; product = ranks); aliases 'fsdp', '2x2'."
-        ),
-    ] = None,
-    pp_schedule: Annotated[
-        str | None,
-        typer.Option(help="Pipeline schedule: 1f1b, interleaved_1f1b, dualpipev."),
-    ] = None,
-    microbatches: Annotated[
-        int | None, typer.Option(help="Micro-batches per step under a pp dimension.")
-    ] = None,
-    steps: Annotated[int | None, typer.Option(help="Total optimizer steps.")] = None,
-    timeout: Annotated[
-        float | None,
-        typer.Option(help="Seconds a collective waits for a peer before failing the run."),
-    ] = None,
-    data: Annotated[
-        str | None, typer.Option(help="Text file or folder (default: Python's stdlib).")
-    ] = None,
-    out_dir: Annotated[
-        str | None, typer.Option(help="Where checkpoints, metrics and plots go.")
-    ] = None,
     resume: Annotated[
         bool, typer.Option(help="Continue from the last complete checkpoint.")
     ] = False,
@@ -111,46 +102,14 @@ def train(
             "without it or --resume such a folder is refused."
         ),
     ] = False,
-    activation: Annotated[
-        str | None,
-        typer.Option(
-            help="Block activation policy: none, recompute, save, swap, selective, "
-            "selective_swap (activation.* fields tune it further)."
-        ),
-    ] = None,
-    swap_inputs: Annotated[
-        bool | None, typer.Option(help="Swap block inputs to host between forward and backward.")
-    ] = None,
 ) -> None:
     """Train the MoE transformer on N local CPU ranks (or under torchrun, unchanged).
 
     Prints the saved-activation bytes of a step by placement (device / host / recomputed).
     Writes OUT_DIR/metrics.json, OUT_DIR/loss.png and DCP checkpoints in OUT_DIR/checkpoints.
     """
-    if preset not in PRESETS:
-        _refuse(f"--preset {preset!r}: unknown; choose one of {', '.join(PRESETS)}")
-    flags = {
-        "parallel.nproc": nproc,
-        "parallel.mesh": mesh,
-        "parallel.pp_schedule": pp_schedule,
-        "parallel.microbatches": microbatches,
-        "steps": steps,
-        "parallel.timeout_s": timeout,
-        "data.path": data,
-        "out_dir": out_dir,
-        "activation.policy": activation,
-        "activation.swap_inputs": None if swap_inputs is None else str(swap_inputs).lower(),
-    }
-    overrides = [
-        *(set_ or []),
-        *(
-            f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
-            for k, v in flags.items()
-            if v is not None
-        ),
-    ]
+    cfg = config
     try:
-        cfg = load_config(PRESETS[preset](), config, overrides)
         if not is_torchrun():  # under torchrun the world size is known only to the ranks
             check_layout(cfg, parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc))
         _check_data(cfg)
