@@ -90,5 +90,8 @@ def test_npu_backend_is_cleanly_unavailable_here():
 
     if importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed")
-    with pytest.raises(PluginError, match="'npu' cannot run this call: not installed"):
+    # the declared device is checked before the install probe (npu_core.plugins' rule)
+    with pytest.raises(
+        PluginError, match=r"'npu' cannot run this call: device 'cpu' \(allowed: npu\)"
+    ):
         get_backend("npu")
