@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from liteboost.parallel.ring import RingAttention
-from liteboost.parallel.ulysses import UlyssesExchange
+from liteboost.parallel.ulysses import TokenShards, UlyssesExchange
 
 
-class SequenceParallel:
+class SequenceParallel(TokenShards):
     """Shard / gather over all sequence-parallel ranks plus the self-attention exchange.
 
     Offers the interface of :class:`UlyssesExchange` (``shard``, ``gather``, ``scatter_heads``,
@@ -62,22 +62,6 @@ class SequenceParallel:
                 f"sequence-parallel group of {self.degree} ranks is not ulysses_degree="
                 f"{self.ulysses_degree} x ring_degree={self.ring_degree}"
             )
-
-    def shard(self, x: torch.Tensor, shard_len: int, dim: int = 1) -> torch.Tensor:
-        """This rank's ``shard_len`` tokens of ``x`` along ``dim`` (zero-padded at the end)."""
-        total = shard_len * self.degree
-        if x.shape[dim] < total:
-            pad_shape = list(x.shape)
-            pad_shape[dim] = total - x.shape[dim]
-            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-        return x.narrow(dim, self.rank * shard_len, shard_len)
-
-    def gather(self, x: torch.Tensor, seq_len: int, dim: int = 1) -> torch.Tensor:
-        """Concatenate every rank's equal-size shard along ``dim`` and drop the padding."""
-        x = x.contiguous()
-        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(self.degree)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=dim).narrow(dim, 0, seq_len)
 
     def scatter_heads(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Ulysses only: [B, L, N, D] shard -> [B, seq_len, N / U, D] (whole sequence)."""

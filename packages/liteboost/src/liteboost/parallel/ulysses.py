@@ -18,7 +18,34 @@ def working_degrees(heads: int, world_size: int) -> list[int]:
     return [d for d in range(1, world_size + 1) if world_size % d == 0 and heads % d == 0]
 
 
-class UlyssesExchange:
+class TokenShards:
+    """Equal token shards over a group: the split every sequence-parallel layout shares.
+
+    Subclasses set ``group``, ``rank`` (in the group) and ``degree`` (its size).
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    degree: int
+
+    def shard(self, x: torch.Tensor, shard_len: int, dim: int = 1) -> torch.Tensor:
+        """This rank's ``shard_len`` tokens of ``x`` along ``dim`` (zero-padded at the end)."""
+        total = shard_len * self.degree
+        if x.shape[dim] < total:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = total - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        return x.narrow(dim, self.rank * shard_len, shard_len)
+
+    def gather(self, x: torch.Tensor, seq_len: int, dim: int = 1) -> torch.Tensor:
+        """Concatenate every rank's equal-size shard along ``dim`` and drop the padding."""
+        x = x.contiguous()
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(self.degree)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim).narrow(dim, 0, seq_len)
+
+
+class UlyssesExchange(TokenShards):
     """The two all-to-alls of one Ulysses group, for [B, S, N, D] (BSND) activations.
 
     Args:
@@ -48,22 +75,6 @@ class UlyssesExchange:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dist.all_to_all_single(out, x, group=self.group)
         return out
-
-    def shard(self, x: torch.Tensor, shard_len: int, dim: int = 1) -> torch.Tensor:
-        """This rank's ``shard_len`` tokens of ``x`` along ``dim`` (zero-padded at the end)."""
-        total = shard_len * self.degree
-        if x.shape[dim] < total:
-            pad_shape = list(x.shape)
-            pad_shape[dim] = total - x.shape[dim]
-            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-        return x.narrow(dim, self.rank * shard_len, shard_len)
-
-    def gather(self, x: torch.Tensor, seq_len: int, dim: int = 1) -> torch.Tensor:
-        """Concatenate every rank's equal-size shard along ``dim`` and drop the padding."""
-        x = x.contiguous()
-        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(self.degree)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=dim).narrow(dim, 0, seq_len)
 
     def scatter_heads(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
         """[B, L, N, D] sequence shard -> [B, seq_len, N_pad / degree, D] head shard."""
