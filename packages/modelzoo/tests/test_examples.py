@@ -11,8 +11,6 @@ from modelzoo.examples.base import example_for
 from modelzoo.examples.embed import pool
 from modelzoo.examples.speech import synthetic_waveform
 
-pytest.importorskip("transformers", reason="transformers extra not installed")
-
 
 def test_greedy_generation_matches_recomputed_argmax():
     """KV-cache decoding picks the same tokens as re-running the whole sequence each step."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -9,11 +11,15 @@ from npu_core import device, env
 
 
 def test_detect_backend_matches_what_torch_sees(monkeypatch):
-    """Without overrides the backend is cuda when torch sees a GPU, else cpu (no NPU here)."""
+    """Without overrides: npu where torch_npu sees a device, else cuda where torch sees a GPU,
+    else cpu; the expectation asks torch (and torch_npu) directly, not npu_core."""
     monkeypatch.delenv(env.BACKEND, raising=False)
     expected = device.Backend.CUDA if torch.cuda.is_available() else device.Backend.CPU
-    if device.is_available(device.Backend.NPU):
-        expected = device.Backend.NPU
+    if importlib.util.find_spec("torch_npu") is not None:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        if torch.npu.device_count() > 0:  # type: ignore[attr-defined]
+            expected = device.Backend.NPU
     assert device.detect_backend() is expected
 
 
