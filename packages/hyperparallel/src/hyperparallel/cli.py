@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
 from hyperparallel import env
-from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
-from hyperparallel.parallel.dims import parse_mesh
-from hyperparallel.parallel.layout import check_layout
-from hyperparallel.train.checkpoint import CheckpointError, has_checkpoints
+from hyperparallel.train import job
+from hyperparallel.train.checkpoint import CheckpointError
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.outdir import prepare_out_dir
 from hyperparallel.train.presets import PRESETS
 from npu_core.cli import config_options
 from npu_core.config import ConfigError
-from npu_core.dist import is_torchrun, run
 
 app = typer.Typer(
     help="Parallel training for PyTorch: distributed Muon, FSDP2/HSDP, expert and pipeline "
@@ -33,36 +27,6 @@ console = Console()
 @app.callback()
 def _root() -> None:
     """hyperparallel: distributed Muon, activation memory control, and a training job."""
-
-
-def _rank_main(cfg: TrainConfig, resume: bool):
-    """Entry of every rank; rank 0 draws the progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from hyperparallel.train.trainer import train_rank
-
-    if not env.is_rank_zero():
-        return train_rank(cfg, resume)
-    columns = (
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
-    )
-    with Progress(*columns, console=Console(stderr=True)) as progress:
-        task = progress.add_task("train", total=cfg.steps, status="starting ranks")
-
-        def on_step(record: dict[str, float]) -> None:
-            status = (
-                f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
-                f"backward {record['backward_ms']:.0f} ms  optim {record['optim_ms']:.0f} ms"
-            )
-            if "val_loss" in record:
-                status += f"  val {record['val_loss']:.3f}"
-            progress.update(task, completed=record["step"], status=status)
-
-        return train_rank(cfg, resume, on_step)
 
 
 def _preset(args: dict) -> TrainConfig:
@@ -84,6 +48,9 @@ def _preset(args: dict) -> TrainConfig:
         "data.path": "--data",
         "activation.policy": "--activation",
         "activation.swap_inputs": "--swap-inputs",
+        "hf.source": "--model",
+        "hf.tokenizer": "--tokenizer",
+        "hf.load_weights": "--load-weights",
     },
     base=_preset,
 )
@@ -103,27 +70,27 @@ def train(
         ),
     ] = False,
 ) -> None:
-    """Train the MoE transformer on N local CPU ranks (or under torchrun, unchanged).
+    """Train the built-in MoE transformer, or a transformers model with --model, on N local
+    CPU ranks (or under torchrun, unchanged).
+
+    --model PATH: a local transformers model folder (config.json, optionally weights and
+    tokenizer files) or a config.json file, e.g. `--model ./Qwen3-0.6B --mesh fsdp`. Dense,
+    MoE and MLA+MoE families (Llama, Qwen3, Qwen3-MoE, Qwen3-Next, GLM-4.5, gpt-oss, MiniMax-M2,
+    DeepSeek-V3, Gemma 3, Phi-3) train with FSDP2/HSDP per decoder block, Muon for hidden
+    matrices and expert stacks, AdamW for the rest; pp and ep meshes are refused. Weights load
+    when the folder has them (else random from --seed; --set hf.overrides={...} changes the
+    shape); the folder's tokenizer is used when it has one, else bytes.
 
     Prints the saved-activation bytes of a step by placement (device / host / recomputed).
     Writes OUT_DIR/metrics.json, OUT_DIR/loss.png and DCP checkpoints in OUT_DIR/checkpoints.
     """
     cfg = config
     try:
-        if not is_torchrun():  # under torchrun the world size is known only to the ranks
-            check_layout(cfg, parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc))
-        _check_data(cfg)
-        out = Path(cfg.out_dir)
-        if resume and not overwrite and not has_checkpoints(out / "checkpoints"):
-            raise ValueError(
-                f"--resume: no checkpoint under {out / 'checkpoints'}; run without --resume "
-                "to start a new run"
-            )
-        prepare_out_dir(out, resume=resume, overwrite=overwrite, remove=env.is_rank_zero())
+        job.prepare(cfg, resume=resume, overwrite=overwrite, warn=_warn)
     except (ValueError, FileNotFoundError) as exc:
         _refuse(str(exc))
     try:
-        results = run(_rank_main, cfg.parallel.nproc, cfg, resume, timeout=24 * 3600, backend=None)
+        results = job.start(cfg, resume=resume)
     except CheckpointError as exc:  # a fact about the user's files: one line, not a traceback
         _refuse(str(exc))
     if not env.is_rank_zero():  # under torchrun, rank 0 alone reports
@@ -154,18 +121,8 @@ def _refuse(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _check_data(cfg: TrainConfig) -> None:
-    """Read the corpus once before ranks start: a missing, empty, binary or too-small source is
-    refused here instead of in every rank after start-up (binary files inside a folder are
-    skipped with one warning line)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        ByteBatches(
-            read_corpus(cfg.data.path, cfg.data.max_bytes), cfg.data.seq_len, cfg.data.val_fraction
-        )
-    for warning in caught:
-        if env.is_rank_zero():
-            typer.echo(f"warning: {warning.message}", err=True)
+def _warn(message: str) -> None:
+    typer.echo(f"warning: {message}", err=True)
 
 
 def main() -> None:

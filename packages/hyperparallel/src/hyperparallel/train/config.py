@@ -7,7 +7,7 @@ overrides, in that order; each layer is validated as a whole so errors name the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -119,8 +119,38 @@ class ActivationConfig(_Strict):
         return values
 
 
+class HFConfig(_Strict):
+    """A `transformers` causal LM to train instead of the own MoE (:mod:`train.hf_model`)."""
+
+    source: str | None = Field(
+        None,
+        description="A local transformers model folder (config.json, optionally weights and "
+        "tokenizer files) or a config.json file; trains that architecture (dense, MoE, MLA+MoE "
+        "families) instead of the built-in MoE. Nothing is downloaded.",
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Config fields replaced before building, e.g. a tiny shape "
+        "(--set 'hf.overrides={num_hidden_layers=2, hidden_size=64}').",
+    )
+    load_weights: bool | None = Field(
+        None,
+        description="Load the folder's weights; default: load when the folder holds "
+        "*.safetensors / pytorch_model*.bin and no overrides are given, else random weights "
+        "from --seed (the same on every rank).",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer folder (local files only); default: the model folder when it "
+        "holds tokenizer files, else bytes mapped into the vocabulary; 'bytes' forces bytes.",
+    )
+
+
 class TrainConfig(_Strict):
-    model: MoEConfig = Field(default_factory=MoEConfig, description="Model shape.")
+    model: MoEConfig = Field(
+        default_factory=MoEConfig, description="Shape of the built-in MoE (unused with --model)."
+    )
+    hf: HFConfig = Field(default_factory=HFConfig, description="A transformers model (--model).")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus and batching.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizers.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Ranks, mesh.")
@@ -137,6 +167,9 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _fits_model(self) -> TrainConfig:
         # Found here, before ranks start, rather than as a ValueError in the first forward.
+        # A transformers model's shape is in its config.json: train.hf_model.check reads it.
+        if self.hf.source is not None:
+            return self
         if len(self.activation.per_block) > self.model.n_layers:
             raise ValueError(
                 f"activation.per_block lists {len(self.activation.per_block)} policies but "

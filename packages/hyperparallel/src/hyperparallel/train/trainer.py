@@ -24,7 +24,7 @@ from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
 from hyperparallel.optim import get_hyper_optimizer
 from hyperparallel.parallel.dims import parse_mesh
 from hyperparallel.parallel.layout import check_layout
-from hyperparallel.train import checkpoint
+from hyperparallel.train import checkpoint, hf_model
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.metrics import MetricsLog
 from hyperparallel.train.model import ParallelModel, build_model
@@ -74,13 +74,17 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         comm_backend(backend).value, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s)
     )
     device = device_for_rank(env.local_rank(), backend)
+    hf = hf_model.resolve(cfg) if cfg.hf.source is not None else None
     with warnings.catch_warnings():  # skipped binary files: the CLI reported them once
         warnings.simplefilter("ignore", RuntimeWarning)
-        corpus = read_corpus(cfg.data.path, cfg.data.max_bytes)
-    data = ByteBatches(corpus, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+        if hf is not None:
+            data = hf_model.batches(cfg, hf)
+        else:
+            corpus = read_corpus(cfg.data.path, cfg.data.max_bytes)
+            data = ByteBatches(corpus, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
     world = dist.get_world_size()  # waits for mccl here
     dims = parse_mesh(cfg.parallel.mesh, world)
-    batch = check_layout(cfg, dims)
+    batch = hf_model.check_layout_hf(cfg, dims) if hf is not None else check_layout(cfg, dims)
     meshes = dims.build(device.type)
     net = build_model(cfg, meshes, device)
     optimizer = get_hyper_optimizer(
@@ -91,6 +95,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             "ns_dtype": cfg.optim.ns_dtype,
         },
         adamw={"lr": cfg.optim.adamw_lr, "weight_decay": cfg.optim.weight_decay},
+        classify=net.classify,
     )
     inner = tuple(opt for opt in (optimizer.muon, optimizer.adamw) if opt is not None)
     base_lrs = [group["lr"] for opt in inner for group in opt.param_groups]
