@@ -79,12 +79,19 @@ def _attend(q, k, v, bias, scale, with_lse: bool):
     """SDPA on BNSD tensors; with the log-sum-exp [B, N, S] (fp32) if asked.
 
     Only CPU exposes the LSE of its fused kernel (``_scaled_dot_product_flash_attention_for_cpu``),
-    which is why the shared-block split is CPU-only.
+    which is why the shared-block split is CPU-only; elsewhere the LSE comes from an explicit
+    fp32 softmax (ring attention's sparse chunks only).
     """
-    if with_lse:
+    if with_lse and q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, attn_mask=bias, scale=scale
         )
+    if with_lse:  # an explicit fp32 softmax, for block_sparse_attention_with_lse off the CPU
+        scores = q.float() @ k.float().transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+        if bias is not None:
+            scores = scores + bias.float()
+        lse = torch.logsumexp(scores, dim=-1)
+        return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype), lse
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale), None
 
 
@@ -93,6 +100,61 @@ def _pack(block_rows: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | No
     if buffer is None:
         return block_rows.index_select(0, ids)
     return torch.index_select(block_rows, 0, ids, out=buffer[: ids.numel()])
+
+
+def _packed_attention(
+    q_rows: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    ids: torch.Tensor,
+    kv_layout: tuple[int, int, int],
+    dv: int,
+    scale: float | None,
+    chunk_bytes: int,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each query block row attends its packed key blocks ``ids`` [rows, K] (-1 padded last).
+
+    ``kv_layout`` is (key blocks per (batch, head), tokens per key block, pad tokens of the
+    last key block). Returns out [rows, q_block, dv] (zeros where a row keeps nothing) and, when
+    ``with_lse``, the fp32 log-sum-exp [rows, q_block] (-inf there).
+    """
+    nk, kv_block, tail_pad = kv_layout
+    d = q_rows.shape[-1]
+    counts = (ids >= 0).sum(-1)
+    out = q_rows.new_zeros(q_rows.shape[0], q_rows.shape[1], dv)
+    lse = torch.full(out.shape[:2], -math.inf, device=q_rows.device) if with_lse else None
+    per_block = kv_block * (d + dv) * k_rows.element_size()  # packed K+V bytes
+    threads = torch.get_num_threads()
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rows, k_rows, v_rows))
+    for count in counts.unique().tolist():
+        if count == 0:
+            continue
+        rows = (counts == count).nonzero().squeeze(1)
+        step = max(2 * threads, chunk_bytes // (count * per_block), 1)
+        # Reused packing buffers save a page-faulting allocation per chunk (~10%); autograd
+        # cannot record writes into them, so training allocates per chunk.
+        k_buf = v_buf = None
+        if not needs_grad:
+            k_buf = k_rows.new_empty(min(step, rows.numel()) * count, k_rows.shape[1])
+            v_buf = v_rows.new_empty(k_buf.shape[0], v_rows.shape[1])
+        for start in range(0, rows.numel(), step):
+            chunk = rows[start : start + step]
+            chunk_ids = ids[chunk, :count]
+            flat = chunk_ids.reshape(-1)
+            keys, values = _pack(k_rows, flat, k_buf), _pack(v_rows, flat, v_buf)
+            rows_out, rows_lse = _attend(
+                q_rows.index_select(0, chunk).unsqueeze(0),
+                keys.view(1, chunk.numel(), count * kv_block, d),
+                values.view(1, chunk.numel(), count * kv_block, dv),
+                _tail_bias(chunk_ids, nk, kv_block, tail_pad, q_rows.dtype),
+                scale,
+                with_lse=with_lse,
+            )
+            out.index_copy_(0, chunk, rows_out[0].contiguous())
+            if lse is not None and rows_lse is not None:
+                lse.index_copy_(0, chunk, rows_lse[0])
+    return out, lse
 
 
 def gather_block_sparse_attention(
@@ -119,7 +181,7 @@ def gather_block_sparse_attention(
         [B, N, Sq, Dv] in the dtype of ``q``. Query blocks that keep no key block get zeros.
     """
     check_same_heads(q, k, v)
-    b, n, sq, d = q.shape
+    b, n, sq, _ = q.shape
     sk, dv = k.shape[-2], v.shape[-1]
     q_block, kv_block = block_shape(block_size)
     nq, nk = math.ceil(sq / q_block), math.ceil(sk / kv_block)
@@ -134,44 +196,55 @@ def gather_block_sparse_attention(
     if not split:
         shared = torch.zeros_like(shared)
     ids = _global_block_ids(without_blocks(block_index, shared), nk)
-    counts = (ids >= 0).sum(-1)
-
-    out = q.new_zeros(b * n * nq, q_block, dv)
-    lse = torch.full(out.shape[:2], -math.inf, device=q.device) if split else None
-    per_block = kv_block * (d + dv) * k.element_size()  # packed K+V bytes
-    threads = torch.get_num_threads()
-    for count in counts.unique().tolist():
-        if count == 0:
-            continue
-        rows = (counts == count).nonzero().squeeze(1)
-        step = max(2 * threads, chunk_bytes // (count * per_block), 1)
-        # Reused packing buffers save a page-faulting allocation per chunk (~10%); autograd
-        # cannot record writes into them, so training allocates per chunk.
-        k_buf = v_buf = None
-        if not needs_grad:
-            k_buf = k_rows.new_empty(min(step, rows.numel()) * count, k_rows.shape[1])
-            v_buf = v_rows.new_empty(k_buf.shape[0], v_rows.shape[1])
-        for start in range(0, rows.numel(), step):
-            chunk = rows[start : start + step]
-            chunk_ids = ids[chunk, :count]
-            flat = chunk_ids.reshape(-1)
-            keys, values = _pack(k_rows, flat, k_buf), _pack(v_rows, flat, v_buf)
-            rows_out, rows_lse = _attend(
-                q_rows.index_select(0, chunk).unsqueeze(0),
-                keys.view(1, chunk.numel(), count * kv_block, d),
-                values.view(1, chunk.numel(), count * kv_block, dv),
-                _tail_bias(chunk_ids, nk, kv_block, tail_pad, q.dtype),
-                scale,
-                with_lse=split,
-            )
-            out.index_copy_(0, chunk, rows_out[0].contiguous())
-            if split:
-                lse.index_copy_(0, chunk, rows_lse[0])
+    out, lse = _packed_attention(
+        q_rows, k_rows, v_rows, ids, (nk, kv_block, tail_pad), dv, scale, chunk_bytes, split
+    )
     out = out.view(b, n, nq * q_block, dv)[:, :, :sq]
-    if split:
+    if split and lse is not None:
         lse = lse.view(b, n, nq * q_block)[:, :, :sq]
         out = merge_shared_blocks(q, k, v, out, lse, shared, kv_block, scale)
     return out
+
+
+def block_sparse_attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_size: BlockSize,
+    scale: float | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`gather_block_sparse_attention`, plus the log-sum-exp of every query row.
+
+    For callers that merge several partial attentions (ring attention over K/V chunks): the
+    output is [B, N, Sq, Dv] in ``q``'s dtype and the log-sum-exp [B, N, Sq] fp32, ``-inf`` on
+    query rows that keep no key block here (their output rows are zeros). Only the kept blocks
+    are packed and attended. Inference only (torch does not differentiate the fused kernel's
+    log-sum-exp); on other devices than the CPU the rows are attended by an explicit fp32
+    softmax.
+    """
+    check_same_heads(q, k, v)
+    b, n, sq, _ = q.shape
+    sk, dv = k.shape[-2], v.shape[-1]
+    q_block, kv_block = block_shape(block_size)
+    nq, nk = math.ceil(sq / q_block), math.ceil(sk / kv_block)
+    ids = _global_block_ids(block_index, nk)
+    out, lse = _packed_attention(
+        _as_block_rows(q, nq, q_block),
+        _as_block_rows(k, nk, kv_block).flatten(1),
+        _as_block_rows(v, nk, kv_block).flatten(1),
+        ids,
+        (nk, kv_block, nk * kv_block - sk),
+        dv,
+        scale,
+        chunk_bytes,
+        True,
+    )
+    if lse is None:  # unreachable: asked for
+        raise RuntimeError("no log-sum-exp computed")
+    out = out.view(b, n, nq * q_block, dv)[:, :, :sq]
+    return out, lse.view(b, n, nq * q_block)[:, :, :sq]
 
 
 def merge_shared_blocks(

@@ -57,18 +57,32 @@ def _check_scale(scale: float | None) -> None:
         raise ValueError(f"scale={scale!r}; expected None (D ** -0.5) or a finite number > 0")
 
 
-def _pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mean over consecutive blocks of ``x`` [B, N, S, D] -> [B, N, ceil(S / bs), D] (fp32)."""
+def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Sum over consecutive blocks of ``x`` [B, N, S, D] -> [B, N, ceil(S / bs), D] (fp32).
+
+    A block's sum does not depend on what else is in ``x``: ring ranks sum their own blocks and
+    get the single process's bits.
+    """
     b, n, s, d = x.shape
     blocks = math.ceil(s / block_size)
     pad = blocks * block_size - s
     xf = x.float()
     if pad:
         xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
-    sums = xf.view(b, n, blocks, block_size, d).sum(-2)
-    counts = torch.full((blocks,), float(block_size), device=x.device)
-    counts[-1] = block_size - pad
+    return xf.view(b, n, blocks, block_size, d).sum(-2)
+
+
+def block_means(sums: torch.Tensor, tokens: int, block_size: int) -> torch.Tensor:
+    """Block sums [B, N, ceil(tokens / bs), D] of a ``tokens``-long sequence -> block means."""
+    blocks = sums.shape[-2]
+    counts = torch.full((blocks,), float(block_size), device=sums.device)
+    counts[-1] = tokens - (blocks - 1) * block_size
     return sums / counts.view(1, 1, -1, 1)
+
+
+def _pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean over consecutive blocks of ``x`` [B, N, S, D] -> [B, N, ceil(S / bs), D] (fp32)."""
+    return block_means(block_sums(x, block_size), x.shape[-2], block_size)
 
 
 def select_blocks(
@@ -89,11 +103,36 @@ def select_blocks(
         (block_index int32 [B, N, nq, K] padded with -1, keep per video query block).
     """
     q_block, kv_block = block_size
-    nq = math.ceil(q_tiled.shape[-2] / q_block)
-    nk = math.ceil(k_tiled.shape[-2] / kv_block)
-    scores = _pool_blocks(q_tiled, q_block) @ _pool_blocks(k_tiled, kv_block).transpose(-1, -2)
+    return select_pooled_blocks(
+        _pool_blocks(q_tiled, q_block),
+        _pool_blocks(k_tiled, kv_block),
+        key_tokens=k_tiled.shape[-2],
+        video_len=video_len,
+        first_frame_tokens=first_frame_tokens,
+        sparsity=sparsity,
+        block_size=block_size,
+    )
+
+
+def select_pooled_blocks(
+    pooled_q: torch.Tensor,
+    pooled_k: torch.Tensor,
+    *,
+    key_tokens: int,
+    video_len: int,
+    first_frame_tokens: int,
+    sparsity: float,
+    block_size: tuple[int, int],
+) -> tuple[torch.Tensor, int]:
+    """:func:`select_blocks` from block means [B, N, nq, D] and [B, N, nk, D] of tiled q, k.
+
+    Ring attention calls it with means gathered from every rank (``key_tokens`` real keys).
+    """
+    q_block, kv_block = block_size
+    nq, nk = pooled_q.shape[-2], pooled_k.shape[-2]
+    scores = pooled_q @ pooled_k.transpose(-1, -2)
     forced = torch.zeros(nk, dtype=torch.bool, device=scores.device)
-    has_text = k_tiled.shape[-2] > video_len
+    has_text = key_tokens > video_len
     if has_text:
         forced[video_len // kv_block :] = True  # blocks holding any text token
     if first_frame_tokens:

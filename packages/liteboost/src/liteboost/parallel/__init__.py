@@ -1,7 +1,12 @@
 """Multi-rank inference: CFG x Ring x Ulysses transformer, spatial or temporal VAE decode."""
 
 from liteboost.parallel.manager import ParallelConfig, ParallelManager, resolve_degrees
-from liteboost.parallel.ring import RingAttention, attention_with_lse, merge_partials
+from liteboost.parallel.ring import (
+    RingAttention,
+    attention_with_lse,
+    merge_partials,
+    tiled_chunk,
+)
 from liteboost.parallel.sequence import SequenceParallel
 from liteboost.parallel.ulysses import UlyssesExchange, working_degrees
 from liteboost.parallel.vae_dp import (
@@ -39,5 +44,6 @@ __all__ = [
     "resolve_degrees",
     "spatial_decode",
     "spatial_plan",
+    "tiled_chunk",
     "working_degrees",
 ]

@@ -12,8 +12,13 @@ which is exact: softmax over the concatenated keys, up to reduction order. Pad t
 end of the global sequence (the last chunks); their keys are cut off before attention, so they are
 never attended, and their query rows are dropped by the caller.
 
-Dense attention only: the block-sparse kernels choose key blocks from pooled queries and keys of
-the whole sequence, which no rank holds here.
+Block-sparse ring attention (:meth:`RingAttention.sparse`): the sequence is cut in the tile
+order of the sparse kernels, whole blocks per rank. Every rank sums its own blocks, the block
+sums (one vector per block and head) are all-gathered, and every rank chooses the kept key blocks
+from the same means as the single process would (bit for bit: a block's sum does not depend on
+the rest of the sequence). Each K/V chunk is then attended only by the query blocks that keep
+one of its key blocks, and only with those blocks; a chunk that no local query block keeps is
+passed on without compute.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from liteboost.ops import tiling
+from liteboost.ops.block_gather import block_sparse_attention_with_lse
+from liteboost.ops.blocks import BlockSize, block_shape
+from liteboost.ops.sparse_attention import block_means, block_sums, select_pooled_blocks
 
 
 def attention_with_lse(
@@ -59,8 +69,10 @@ def merge_partials(
     if out is None or lse is None:
         return part, part_lse
     merged = torch.logaddexp(lse, part_lse)
-    old_weight = torch.exp(lse - merged).unsqueeze(-1)
-    out = out * old_weight + part * torch.exp(part_lse - merged).unsqueeze(-1)
+    # Rows that attended nothing on both sides (lse -inf, sparse chunks) stay zero, not NaN.
+    safe = merged.masked_fill(merged == -math.inf, 0.0)
+    old_weight = torch.exp(lse - safe).unsqueeze(-1)
+    out = out * old_weight + part * torch.exp(part_lse - safe).unsqueeze(-1)
     return out, merged
 
 
@@ -78,6 +90,7 @@ class RingAttention:
         ring = group if group is not None else dist.group.WORLD
         self._next = dist.get_global_rank(ring, (self.rank + 1) % self.degree)
         self._prev = dist.get_global_rank(ring, (self.rank - 1) % self.degree)
+        self.attended_blocks = 0  # (query block, key block) pairs the last sparse() computed
 
     def _pass(self, kv: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Send ``kv`` to the next rank, start receiving the previous rank's chunk."""
@@ -129,3 +142,132 @@ class RingAttention:
         if out is None:  # unreachable: chunk 0 always holds real tokens
             raise RuntimeError(f"seq_len={seq_len}: no keys to attend")
         return out.transpose(1, 2).to(q.dtype)
+
+    def sparse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        latent_shape: tuple[int, int, int],
+        sparsity: float,
+        block_size: BlockSize = 128,
+        text_len: int = 0,
+        first_frame_sink: bool = True,
+        tile: tuple[int, int, int] | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Block-sparse attention (the single process's kept blocks) over the ring.
+
+        Equal to :func:`liteboost.ops.sparse_attention` of the whole sequence, in tile order,
+        up to float rounding: the same key blocks are kept, chosen from the same block means.
+
+        Args:
+            q, k, v: [B, N, L, D] (BNSD), this rank's chunk of the sequence in the tile order
+                of ``tiling.tile_layout(latent_shape, tile, ...)`` (see :func:`tiled_chunk`):
+                rank ``r`` holds tiled tokens ``[r * L, (r + 1) * L)``, zero padded at the end;
+                L a multiple of both block sizes and the same on every rank.
+            latent_shape: the token grid (frames, height, width) after patching.
+            sparsity: share of key blocks skipped per query block, in [0, 1).
+            block_size: tokens per block, an int or a (query, key) pair.
+            text_len: text tokens after the video tokens.
+            first_frame_sink, tile: as in :func:`liteboost.ops.sparse_attention`.
+            scale: softmax scale (default 1 / sqrt(D)).
+
+        Returns:
+            [B, N, L, D] in ``q``'s dtype, this rank's chunk in tile order (pad rows: zeros or
+            garbage, for the caller to drop).
+
+        After the call, ``attended_blocks`` holds the (query block, key block) pairs this rank
+        computed: exactly the kept pairs of its query blocks.
+        """
+        q_block, kv_block = block_shape(block_size)
+        chunk = q.shape[2]
+        if chunk % q_block or chunk % kv_block:
+            raise ValueError(
+                f"chunk of {chunk} tokens per rank: must be a multiple of the query block "
+                f"({q_block}) and the key block ({kv_block}); see tiled_chunk()"
+            )
+        seq_len = math.prod(latent_shape) + text_len
+        if not 0 < seq_len <= chunk * self.degree:
+            raise ValueError(
+                f"latent_shape={tuple(latent_shape)} + text_len={text_len} = {seq_len} tokens "
+                f"do not fit {self.degree} chunks of {chunk}"
+            )
+        layout = tiling.tile_layout(
+            tuple(latent_shape), tile or tiling.default_tile(kv_block), q.device, first_frame_sink
+        )
+        means = []
+        for x, block in ((q, q_block), (k, kv_block)):
+            sums = block_sums(x, block)
+            parts = [torch.empty_like(sums) for _ in range(self.degree)]
+            dist.all_gather(parts, sums.contiguous(), group=self.group)
+            total = torch.cat(parts, dim=2)[:, :, : math.ceil(seq_len / block)]
+            means.append(block_means(total, seq_len, block))
+        index, _ = select_pooled_blocks(
+            means[0],
+            means[1],
+            key_tokens=seq_len,
+            video_len=math.prod(latent_shape),
+            first_frame_tokens=layout.first_frame_tokens,
+            sparsity=sparsity,
+            block_size=(q_block, kv_block),
+        )
+        rows = chunk // q_block
+        index = index[:, :, self.rank * rows : (self.rank + 1) * rows]
+        if index.shape[2] < rows:  # pad query blocks at the end keep nothing
+            pad = index.new_full((*index.shape[:2], rows - index.shape[2], index.shape[3]), -1)
+            index = torch.cat([index, pad], dim=2)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        kv = torch.stack([k, v]).contiguous()
+        out = lse = None
+        self.attended_blocks = 0
+        key_blocks = chunk // kv_block
+        for step in range(self.degree):
+            if step + 1 < self.degree:
+                incoming, ops = self._pass(kv)
+            source = (self.rank - step) % self.degree
+            valid = min(max(seq_len - source * chunk, 0), chunk)
+            local = index - source * key_blocks
+            local = torch.where((local >= 0) & (local < key_blocks), local, -1)
+            kept = int((local >= 0).sum())
+            if valid > 0 and kept:
+                part, part_lse = block_sparse_attention_with_lse(
+                    q, kv[0, :, :, :valid], kv[1, :, :, :valid], local, (q_block, kv_block), scale
+                )
+                out, lse = merge_partials(out, lse, part, part_lse)
+                self.attended_blocks += kept
+            if step + 1 < self.degree:
+                for op in ops:
+                    op.wait()
+                kv = incoming
+        if out is None:
+            return torch.zeros_like(q)
+        return out.to(q.dtype)
+
+
+def tiled_chunk(
+    x: torch.Tensor,
+    latent_shape: tuple[int, int, int],
+    degree: int,
+    rank: int,
+    *,
+    block_size: BlockSize = 128,
+    first_frame_sink: bool = True,
+    tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Rank ``rank``'s chunk of ``x`` [B, N, S, D] (raster order) for :meth:`RingAttention.sparse`.
+
+    Reorders into the sparse kernels' tile order, pads the end to ``degree`` equal chunks of
+    whole blocks and returns chunk ``rank``; ``tiling.restore`` of the concatenated outputs
+    (cut to S) gives the raster order back.
+    """
+    q_block, kv_block = block_shape(block_size)
+    unit = math.lcm(q_block, kv_block)
+    layout = tiling.tile_layout(
+        tuple(latent_shape), tile or tiling.default_tile(kv_block), x.device, first_frame_sink
+    )
+    tiled = tiling.reorder(x, layout, seq_dim=2)
+    chunk = math.ceil(tiled.shape[2] / (degree * unit)) * unit
+    tiled = torch.nn.functional.pad(tiled, (0, 0, 0, chunk * degree - tiled.shape[2]))
+    return tiled[:, :, rank * chunk : (rank + 1) * chunk].contiguous()
