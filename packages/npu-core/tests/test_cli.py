@@ -11,7 +11,7 @@ import typer
 from pydantic import Field
 from typer.testing import CliRunner
 
-from npu_core.cli import config_options
+from npu_core.cli import config_options, fail, run_app
 from npu_core.config import StrictConfig
 
 
@@ -182,3 +182,86 @@ def test_own_options_keep_help_and_aliases_under_postponed_annotations():
     result = CliRunner().invoke(_export_app([]), ["export", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert "-f" in result.output and "Replace it." in result.output
+
+
+def _run_app(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str, list]:
+    """``run_app`` as a console script's ``main()`` runs it: (exit status, stdout, stderr, seen)."""
+    seen: list = []
+    with pytest.raises(SystemExit) as exited:
+        run_app(_app(seen), list(args), prog_name="job")
+    out, err = capsys.readouterr()
+    code = exited.value.code
+    return (code if isinstance(code, int) else 1 if code else 0), out, err, seen
+
+
+@pytest.mark.parametrize(
+    ("args", "parts"),
+    [
+        (["--steps", "abc"], ["'--steps'", "'abc'", "integer"]),
+        (["--parallel.timeout-s", "soon"], ["'--parallel.timeout-s'", "'soon'", "number"]),
+        (["--stesp", "3"], ["No such option: --stesp", "--steps"]),
+        (["--steps"], ["'--steps' requires an argument"]),
+        (["--preset"], ["'--preset' requires an argument"]),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) and x[0].startswith("-") else None,
+)
+def test_run_app_parse_errors_are_one_line_and_exit_2(capsys, args, parts):
+    # the same command line in typer's standalone mode: a multi-line usage box, exit 2
+    standalone = CliRunner().invoke(_app([]), ["run", *args])
+    assert standalone.exit_code == 2 and len(standalone.stderr.strip().splitlines()) > 1
+    code, out, err, seen = _run_app(capsys, "run", *args)
+    assert code == 2 and out == "" and seen == []
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+def test_run_app_unknown_command_is_one_line(capsys):
+    code, _, err, _ = _run_app(capsys, "walk")
+    assert code == 2 and err.strip().splitlines() == ["error: No such command 'walk'."]
+
+
+def test_run_app_keeps_typer_behaviour_otherwise(capsys):
+    code, out, err, seen = _run_app(capsys, "run", "--steps", "3", "--nproc", "2")
+    assert code == 0 and err == ""
+    assert seen[0][0] == Job(steps=3, parallel=Parallel(nproc=2))
+    # a value the model refuses: config_options' own one-line error, as before
+    code, _, err, seen = _run_app(capsys, "run", "--steps", "0")
+    assert code == 2 and seen == [] and err.count("\n") == 1 and "steps" in err
+    code, out, err, _ = _run_app(capsys, "run", "--help")
+    assert code == 0 and "--parallel.timeout-s" in out and "Optimizer steps." in out
+    code, _, err, _ = _run_app(capsys)  # a missing command is a usage error like the others
+    assert code == 2 and err == "error: Missing command.\n"
+    # a group made with no_args_is_help shows its help instead, with click's status 2
+    helpful = typer.Typer(add_completion=False, no_args_is_help=True)
+    helpful.command()(lambda: None)
+    helpful.command("other")(lambda: None)
+    with pytest.raises(SystemExit) as exited:
+        run_app(helpful, [], prog_name="job")
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and "Usage: job" in out + err and "error:" not in out + err
+
+
+def test_run_app_passes_exit_codes_through(capsys):
+    app = typer.Typer(add_completion=False)
+
+    @app.command()
+    def stop(code: int) -> None:
+        if code == 2:
+            fail("two is refused")
+        raise typer.Exit(code)
+
+    @app.command()
+    def crash() -> None:
+        raise RuntimeError("a bug")
+
+    for code in (0, 3):
+        with pytest.raises(SystemExit) as exited:
+            run_app(app, ["stop", str(code)])
+        assert exited.value.code == code
+    with pytest.raises(SystemExit) as exited:
+        run_app(app, ["stop", "2"])
+    assert exited.value.code == 2 and capsys.readouterr().err == "error: two is refused\n"
+    with pytest.raises(RuntimeError, match="a bug"):  # a bug is a traceback, not a usage error
+        run_app(app, ["crash"])

@@ -6,11 +6,15 @@ options (their descriptions are the ``--help``), ``--config FILE.toml`` and repe
 Precedence, lowest first: the model's defaults (or a base the command picks, e.g. a preset), the
 TOML file, ``--set``, then options given explicitly. A bad value stops the command before any
 work with one line on stderr naming the key, the value and what is allowed, and exit code 2
-(:func:`fail`), the convention of every CLI here.
+(:func:`fail`), the convention of every CLI here. That holds for the values typer parses too
+(``--height abc``, an unknown option): every console script's ``main()`` is :func:`run_app`.
 
     @app.command()
     @config_options(GenerateOptions, flags={"out": "--out"})
     def generate(config: GenerateOptions, overwrite: bool = False) -> None: ...
+
+    def main() -> None:
+        run_app(app)
 """
 
 from __future__ import annotations
@@ -18,17 +22,23 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import sys
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from npu_core.config import ConfigError, StrictConfig, layer_tree, set_dotted
+
+try:  # typer 0.2x parses with its own copy of click, whose errors are not click's classes
+    from typer._click import exceptions as click_errors
+except ImportError:  # older typer: click itself
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 EXIT_USAGE = 2
 """Exit code of a refused input, as click uses for usage errors."""
@@ -44,6 +54,84 @@ def fail(message: str) -> NoReturn:
     """Print ``error: message`` as one line on stderr and exit with code 2."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(EXIT_USAGE)
+
+
+def run_app(
+    app: typer.Typer, args: Sequence[str] | None = None, *, prog_name: str | None = None
+) -> NoReturn:
+    """Run a typer app as a console script: a refused command line is one line, exit 2.
+
+    click reports a value it cannot parse (``--height abc``), an unknown option or a missing
+    argument as a boxed usage block over several lines; every other refusal here is
+    ``error: ...`` on one line (:func:`fail`), so this runs the app in click's non-standalone
+    mode and prints such a usage error the same way (click's own message: the
+    option, the value and what it accepts). Everything else keeps typer's handling: ``--help``,
+    a group called without a command (its help), ``typer.Exit`` codes, other click errors,
+    Ctrl-C (exit 130) and the pretty tracebacks of unexpected exceptions.
+
+    Args:
+        app: the package's typer app.
+        args: the command line without the program name (None: ``sys.argv[1:]``).
+        prog_name: the name usage lines show (None: detected from ``sys.argv``).
+
+    Exits with the command's status: 0, the code of a ``typer.Exit`` it raised, 2 for a refused
+    command line. Commands here return None; a command returning an int would make it the
+    status, as click does in this mode.
+    """
+    try:
+        result = app(args=args, prog_name=prog_name, standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as exc:
+        _show_click_error(app, exc)
+        sys.exit(exc.exit_code)
+    except click_errors.UsageError as exc:
+        # outside click's main a typer.Exit (what fail raises) would not become the status
+        typer.echo(f"error: {_usage_message(exc)}", err=True)
+        sys.exit(EXIT_USAGE)
+    except click_errors.ClickException as exc:
+        _show_click_error(app, exc)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        rich_utils = _rich_utils(app)
+        if rich_utils is None:
+            typer.echo("Aborted!", err=True)
+        else:
+            rich_utils.rich_abort_error()
+        sys.exit(1)
+    sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+def _usage_message(exc: click_errors.UsageError) -> str:
+    """click's message on one line, with the refused value where the message lacks it.
+
+    typer 0.2x checks option values with pydantic and keeps only pydantic's wording ("Input
+    should be a valid integer"); the value is on the ValidationError it chains.
+    """
+    cause = exc.__cause__
+    if isinstance(exc, click_errors.BadParameter) and isinstance(cause, ValidationError):
+        inputs = [error["input"] for error in cause.errors() if "input" in error]
+        if inputs:
+            exc.message = f"{inputs[0]!r}: {exc.message}"
+    return " ".join(exc.format_message().split())
+
+
+def _show_click_error(app: typer.Typer, exc: click_errors.ClickException) -> None:
+    """Print a click error as a standalone typer app would (help text, or typer's error box)."""
+    rich_utils = _rich_utils(app)
+    if isinstance(exc, click_errors.NoArgsIsHelpError) or rich_utils is None:
+        exc.show()
+    else:
+        rich_utils.rich_format_error(exc)
+
+
+def _rich_utils(app: typer.Typer) -> types.ModuleType | None:
+    """typer's rich rendering where the app uses it (typer falls back to click's without rich)."""
+    if app.rich_markup_mode is None:
+        return None
+    try:
+        from typer import rich_utils
+    except ImportError:
+        return None
+    return rich_utils
 
 
 def config_options(
