@@ -30,3 +30,22 @@ def earlier_run(snapshot) -> Callable[[Path], dict[Path, bytes]]:
         return snapshot(folder)
 
     return make
+
+
+TINY_HF_SHAPE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+}
+
+
+@pytest.fixture
+def tiny_hf_shape() -> dict[str, int]:
+    """A transformers config shape small enough for a CPU test step (a fresh copy per test):
+    each family test adds its own MoE / MLA fields on top."""
+    return dict(TINY_HF_SHAPE)

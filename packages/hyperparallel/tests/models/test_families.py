@@ -18,21 +18,10 @@ from hyperparallel.models.families import (
     unregister,
 )
 
-COMMON = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-}
 
-
-def _build(cls_name: str, config_name: str, **extra) -> nn.Module:
+def _build(shape: dict, cls_name: str, config_name: str, **extra) -> nn.Module:
     torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    config = getattr(transformers, config_name)(**{**shape, **extra})
     return getattr(transformers, cls_name)(config)
 
 
@@ -122,9 +111,9 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED))
-def test_routing_matches_the_architecture(arch: str):
+def test_routing_matches_the_architecture(arch: str, tiny_hf_shape: dict):
     (config_name, extra), muon, experts = EXPECTED[arch]
-    model = _build(arch, config_name, **extra)
+    model = _build(tiny_hf_shape, arch, config_name, **extra)
     plan = plan_for(model)
     routing = plan.route(model)
     assert _suffixes(routing.muon) == muon
@@ -132,7 +121,7 @@ def test_routing_matches_the_architecture(arch: str):
     names = [n for n, _ in model.named_parameters()]
     # every trainable parameter is routed exactly once
     assert sorted(routing.muon + routing.adamw) == sorted(names)
-    assert len(plan.blocks(model)) == COMMON["num_hidden_layers"]
+    assert len(plan.blocks(model)) == tiny_hf_shape["num_hidden_layers"]
     for name in routing.experts:  # expert stacks: [E, M, N], E on dim 0 (what EP shards)
         assert model.get_parameter(name).shape[0] == 4
 

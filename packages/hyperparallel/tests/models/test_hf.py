@@ -11,22 +11,12 @@ import transformers
 
 from hyperparallel.models.hf import CausalLM, build_causal_lm
 
-SHAPE = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 32,
-}
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 
 
-def _model(config_cls: str, **extra) -> torch.nn.Module:
+def _model(shape: dict, config_cls: str, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**SHAPE, **extra)
+    config = getattr(transformers, config_cls)(**shape, **extra)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -37,8 +27,10 @@ def _batch(seed: int = 1):
 
 
 @pytest.mark.parametrize(("config_cls", "extra"), [("Qwen3Config", {}), ("Qwen3MoeConfig", MOE)])
-def test_loss_and_gradients_equal_the_library_forward(config_cls: str, extra: dict):
-    model = _model(config_cls, **extra)
+def test_loss_and_gradients_equal_the_library_forward(
+    config_cls: str, extra: dict, tiny_hf_shape: dict
+):
+    model = _model(tiny_hf_shape, config_cls, **extra)
     tokens, targets = _batch()
     moe = bool(extra)
     out = model(input_ids=tokens, output_router_logits=moe) if moe else model(input_ids=tokens)
@@ -60,23 +52,23 @@ def test_loss_and_gradients_equal_the_library_forward(config_cls: str, extra: di
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_names_stay_the_librarys_and_blocks_are_not_duplicated():
-    model = _model("Qwen3Config")
+def test_names_stay_the_librarys_and_blocks_are_not_duplicated(tiny_hf_shape: dict):
+    model = _model(tiny_hf_shape, "Qwen3Config")
     wrapped = CausalLM(model)
     assert len(wrapped.layers) == 2 and wrapped.layers[0] is model.model.layers[0]
     names = set(wrapped.state_dict())
     assert names == {f"model.{n}" for n in model.state_dict()}
 
 
-def test_sequence_longer_than_the_config_is_refused():
-    wrapped = CausalLM(_model("Qwen3Config"))
+def test_sequence_longer_than_the_config_is_refused(tiny_hf_shape: dict):
+    wrapped = CausalLM(_model({**tiny_hf_shape, "max_position_embeddings": 32}, "Qwen3Config"))
     long = torch.zeros(1, 33, dtype=torch.long)
     with pytest.raises(ValueError, match="sequence length 33 exceeds max_position_embeddings=32"):
         wrapped(long, long)
 
 
-def test_build_from_folder_config_and_weights(tmp_path: Path):
-    model = _model("Qwen3Config")
+def test_build_from_folder_config_and_weights(tmp_path: Path, tiny_hf_shape: dict):
+    model = _model(tiny_hf_shape, "Qwen3Config")
     model.save_pretrained(tmp_path)
     tokens, targets = _batch()
     want, _ = CausalLM(model)(tokens, targets)
@@ -92,8 +84,8 @@ def test_build_from_folder_config_and_weights(tmp_path: Path):
         assert torch.equal(a, b)  # same seed, same weights: every rank builds the same model
 
 
-def test_build_errors_name_the_problem(tmp_path: Path):
+def test_build_errors_name_the_problem(tmp_path: Path, tiny_hf_shape: dict):
     with pytest.raises(FileNotFoundError, match=r"no config\.json there"):
         build_causal_lm(tmp_path)
     with pytest.raises(FileNotFoundError, match="needs a model folder"):
-        build_causal_lm(transformers.Qwen3Config(**SHAPE), load_weights=True)
+        build_causal_lm(transformers.Qwen3Config(**tiny_hf_shape), load_weights=True)

@@ -14,16 +14,6 @@ from hyperparallel.models.hf import CausalLM
 from hyperparallel.optim.hybrid import get_hyper_optimizer
 from npu_core.dist import launch
 
-SHAPE = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 32,
-}
 FAMILIES = {
     "dense": ("Qwen3Config", {}),
     "moe": (
@@ -45,10 +35,10 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
 AUX_WEIGHT = 0.01
 
 
-def _wrapped(family: str) -> CausalLM:
+def _wrapped(shape: dict, family: str) -> CausalLM:
     config_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
+    config = getattr(transformers, config_cls)(**{**shape, **extra})
     return CausalLM(transformers.AutoModelForCausalLM.from_config(config), chunk_rows=7)
 
 
@@ -57,9 +47,11 @@ def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(64, (4, 16), generator=gen), torch.randint(64, (4, 16), generator=gen)
 
 
-def _fsdp_step(family: str) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _fsdp_step(
+    shape: dict, family: str
+) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One FSDP2 step on this rank's half of the global batch: (mean loss, grads, new params)."""
-    model = _wrapped(family)
+    model = _wrapped(shape, family)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
@@ -82,9 +74,9 @@ def _fsdp_step(family: str) -> tuple[float, dict[str, torch.Tensor], dict[str, t
     return loss.item() / 2, grads, params
 
 
-def _single_process(family: str) -> tuple[float, dict[str, torch.Tensor]]:
+def _single_process(shape: dict, family: str) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss over the global batch and the data-parallel gradient (mean of the halves' losses)."""
-    model = _wrapped(family)
+    model = _wrapped(shape, family)
     tokens, targets = _global_batch()
     halves = [model(tokens[i : i + 2], targets[i : i + 2]) for i in (0, 2)]
     (sum(ce + AUX_WEIGHT * aux for ce, aux in halves) / 2).backward()
@@ -94,9 +86,11 @@ def _single_process(family: str) -> tuple[float, dict[str, torch.Tensor]]:
     return full_ce.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _torch_step(family: str, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _torch_step(
+    shape: dict, family: str, grads: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The initial weights stepped with ``grads`` by torch.optim.Muon and torch.optim.AdamW."""
-    model = _wrapped(family)
+    model = _wrapped(shape, family)
     routing = model.routing()
     params = {n: p.detach() for n, p in model.named_parameters()}
     # torch.optim.Muon takes 2-D matrices only: each expert of a stack is its own matrix.
@@ -122,9 +116,9 @@ def _torch_step(family: str, grads: dict[str, torch.Tensor]) -> dict[str, torch.
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fsdp2_step_equals_single_process_and_torch_optimizers(family: str):
-    want_loss, want_grads = _single_process(family)
-    results = launch(_fsdp_step, 2, family, timeout=240)
+def test_fsdp2_step_equals_single_process_and_torch_optimizers(family: str, tiny_hf_shape: dict):
+    want_loss, want_grads = _single_process(tiny_hf_shape, family)
+    results = launch(_fsdp_step, 2, tiny_hf_shape, family, timeout=240)
     for loss, grads, params in results:
         # same model, same global batch: the first-step loss and gradients of 2 ranks
         assert abs(loss - want_loss) < 1e-4
@@ -132,6 +126,6 @@ def test_fsdp2_step_equals_single_process_and_torch_optimizers(family: str):
         for name, grad in grads.items():
             torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
         # the distributed update equals torch's optimizers on the gathered matrices
-        want = _torch_step(family, grads)
+        want = _torch_step(tiny_hf_shape, family, grads)
         for name, value in params.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=1e-6, msg=name)

@@ -68,11 +68,17 @@ def _mean_over_ranks(value: torch.Tensor | float | None) -> float:
 
 
 def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = None) -> TrainResult:
-    """Run training on this rank (under the npu-core launcher or torchrun) and return its losses."""
+    """Run training on this rank (under the npu-core launcher or torchrun) and return its losses.
+
+    The default process group is created here (``parallel.timeout_s``) unless the caller made
+    one already, so a caller can run several trainings in one set of ranks.
+    """
     backend = detect_backend()
-    mccl.init_process_group(
-        comm_backend(backend).value, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s)
-    )
+    if not mccl.is_ready():
+        mccl.init_process_group(
+            comm_backend(backend).value,
+            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
+        )
     device = device_for_rank(env.local_rank(), backend)
     hf = hf_model.resolve(cfg) if cfg.hf.source is not None else None
     with warnings.catch_warnings():  # skipped binary files: the CLI reported them once
