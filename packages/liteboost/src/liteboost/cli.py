@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from liteboost.generate import GenerateOptions
-from npu_core.cli import config_options, fail
+from npu_core.cli import config_options, fail, run_app
 
 app = typer.Typer(
     help="Inference boost for diffusers video models (Wan2.1 / Wan2.2).", no_args_is_help=True
@@ -85,8 +85,8 @@ def generate(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (a command line click refuses: one line, exit 2)."""
+    run_app(app)
 
 
 if __name__ == "__main__":
