@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 from mccl.bench import StartupBenchConfig, measure_startup, results_table
-from npu_core.cli import config_options, fail
+from npu_core.cli import config_options, fail, run_app
 from npu_core.config import ConfigError
 
 app = typer.Typer(
@@ -58,5 +58,5 @@ def bench(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (a command line click refuses: one line, exit 2)."""
+    run_app(app)
