@@ -12,7 +12,7 @@ from hyperparallel.train import job
 from hyperparallel.train.checkpoint import CheckpointError
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.presets import PRESETS
-from npu_core.cli import config_options
+from npu_core.cli import config_options, run_app
 from npu_core.config import ConfigError
 
 app = typer.Typer(
@@ -126,8 +126,8 @@ def _warn(message: str) -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (a command line click refuses: one line, exit 2)."""
+    run_app(app)
 
 
 if __name__ == "__main__":
