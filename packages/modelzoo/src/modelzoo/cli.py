@@ -24,7 +24,7 @@ from modelzoo.options import ConvertOptions, RunOptions
 from modelzoo.schema import Category, ModelCard, Status
 from modelzoo.table import render_markdown, update_readme
 from modelzoo.validate import CardError
-from npu_core.cli import config_options
+from npu_core.cli import config_options, run_app
 
 app = typer.Typer(
     help="Model cards for 100 current models; convert and run the 'full' ones.\n\n"
@@ -189,5 +189,5 @@ def run(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (a command line click refuses: one line, exit 2)."""
+    run_app(app)
