@@ -9,6 +9,7 @@ refused the same way on both.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 import npu_core.dist
-from liteboost.cli import app
+from liteboost.cli import app, main
 from liteboost.ops import sparse_attention
 
 
@@ -97,6 +98,28 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize(("args", "match"), BAD_OPTIONS, ids=lambda x: " ".join(x)[:40])
 def test_bad_option_is_refused_before_any_rank(launches, tmp_path, args, match):
     _refused(launches, tmp_path, [*args, "--out", str(tmp_path / "out")], match)
+
+
+UNPARSABLE = [
+    (["--height", "abc"], "Invalid value for '--height': 'abc': Input should be a valid integer"),
+    (["--guidance", "x"], "Invalid value for '--guidance': 'x': Input should be a valid number"),
+    (["--heigth", "64"], "No such option: --heigth"),
+]
+
+
+@pytest.mark.parametrize(("args", "match"), UNPARSABLE, ids=lambda x: " ".join(x)[:40])
+def test_values_click_cannot_parse_are_one_line_from_the_console_script(
+    launches, tmp_path, monkeypatch, capsys, args, match
+):
+    # main(), the `liteboost` script, not the typer app: typer alone prints a multi-line box
+    argv = ["liteboost", "generate", *args, "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and match in err, err
+    assert launches == [] and not (tmp_path / "out").exists()
 
 
 def test_fa3_on_this_cpu_run_is_refused_by_its_declared_constraints(launches, tmp_path):
