@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
 
 from mccl.bench import StartupBenchConfig, measure_startup, results_table
-from mccl.cli import app
+from mccl.cli import app, main
 
 
 @pytest.mark.distributed
@@ -54,3 +55,21 @@ def test_cli_rejects_bad_options_naming_them(args, message):
     result = CliRunner().invoke(app, ["bench", *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [f"error: invalid configuration: {message}"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rounds", "x"], "Invalid value for '--rounds': 'x': Input should be a valid integer"),
+        (["--ranks", "2.5"], "Invalid value for '--ranks' / '-n': '2.5': Input should be a valid"),
+        (["--round", "3"], "No such option: --round"),
+    ],
+)
+def test_console_script_refuses_unparsable_options_in_one_line(monkeypatch, capsys, args, message):
+    """`mccl` itself (main), where click, not the config, refuses: one line too, exit 2."""
+    monkeypatch.setattr(sys, "argv", ["mccl", "bench", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
