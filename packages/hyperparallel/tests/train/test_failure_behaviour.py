@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hyperparallel.cli import app
+from hyperparallel.cli import app, main
 from hyperparallel.data.stdlib_bytes import read_corpus
 from hyperparallel.train import checkpoint
 from hyperparallel.train.config import load_config
@@ -118,6 +118,28 @@ def test_bad_input_is_refused_before_ranks_start(tmp_path, snapshot, args, messa
     assert message.replace("{tmp}", str(tmp_path)) in lines[0]
     assert snapshot(tmp_path) == before
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "ten"], "Invalid value for '--steps': 'ten': Input should be a valid integer"),
+        (["--nproc", "2.5"], "Invalid value for '--nproc': '2.5': Input should be a valid"),
+        (["--step", "3"], "No such option: --step"),
+    ],
+)
+def test_console_script_refuses_unparsable_options_in_one_line(
+    tmp_path, monkeypatch, capsys, args, message
+):
+    """`hyperparallel` itself (main), where click refuses before the config: one line, exit 2."""
+    argv = ["hyperparallel", "train", "--preset", "debug", *args, "--out-dir", str(tmp_path / "r")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("flags", [[], ["--resume", "--overwrite"]], ids=["no flag", "both"])
