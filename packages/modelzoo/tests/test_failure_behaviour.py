@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from modelzoo import registry
 from modelzoo.checks import InputError
-from modelzoo.cli import app
+from modelzoo.cli import app, main
 from modelzoo.convert import convert
 
 SAFETENSORS_CARD = "qwen3-vl-2b-instruct"  # converts in well under a second (no export)
@@ -148,6 +148,28 @@ def test_run_refuses_two_expert_folder_without_second_expert(files):
 def test_unknown_or_listed_card_is_refused(files, command, expected):
     """Cards that cannot run: one line naming the card, exit 2."""
     _refused([c.format(root=files) for c in command], files, expected)
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (["list", "--category", "toy"], "Invalid value for '--category': 'toy': Value error"),
+        (["run", "qwen3-0.6b", "--tiny", "--nproc", "two"], "'--nproc': 'two': Input should be"),
+        (["run"], "Missing argument 'name'"),
+    ],
+)
+def test_console_script_refuses_what_click_cannot_parse_in_one_line(
+    files, monkeypatch, capsys, command, expected
+):
+    """`modelzoo` itself (main): click's own refusals are one line and exit 2 as well."""
+    before = _tree(files)
+    monkeypatch.setattr(sys, "argv", ["modelzoo", *command])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert _tree(files) == before
 
 
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
