@@ -1,5 +1,12 @@
 """Every mesh layout trains the same model on the same global batch as FSDP: equal first-step
-loss (within 1e-4), and a checkpoint written with one layout resumes with another (DCP)."""
+loss (within 1e-4), 20 steps within 1e-3 of FSDP's, and a checkpoint written with one layout
+resumes with another (DCP).
+
+One launch per layout returns all 20 losses. The model is the debug preset with 4 blocks (the
+fewest that give the V schedules a block per stage on pp=2). The learning rate warms up over
+all 20 steps (``optim.warmup_steps`` is 20), so a run's first k losses do not depend on its
+``steps`` and a short resumed run can be compared with the long reference.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ pytestmark = pytest.mark.distributed
 # 4 blocks so that V schedules get a block per stage on pp=2; one global batch for all layouts;
 # fp32 Newton-Schulz so that no comparison depends on the CPU's bf16 support.
 BASE = ["model.n_layers=4", "data.global_batch_size=8", "optim.ns_dtype='fp32'", "eval_every=100"]
+STEPS = 20
 
 
 def _run(out, mesh: str, *overrides: str, resume: bool = False):
@@ -28,9 +36,9 @@ def _run(out, mesh: str, *overrides: str, resume: bool = False):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """The reference: 4 FSDP ranks, 4 steps, checkpoints at steps 2 and 4."""
+    """The reference: 4 FSDP ranks, 20 steps, checkpoints at steps 10 and 20."""
     out = tmp_path_factory.mktemp("fsdp")
-    return out, _run(out, "fsdp", "steps=4", "checkpoint_every=2").train_losses
+    return out, _run(out, "fsdp", f"steps={STEPS}", "checkpoint_every=10").train_losses
 
 
 LAYOUTS = [
@@ -47,13 +55,23 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize(("mesh", "schedule"), LAYOUTS)
-def test_layout_first_step_loss_equals_fsdp(fsdp_run, tmp_path, mesh, schedule):
-    """Same seed, same global batch: the first loss equals FSDP's within 1e-4, the second
-    (after one optimizer step through this layout's gradients) within 1e-3."""
+def test_layout_losses_track_fsdp(fsdp_run, tmp_path, mesh, schedule):
+    """Same seed, same global batch: the first loss equals FSDP's within 1e-4 (same weights,
+    same samples), and each of 20 steps stays within 1e-3 (the layouts' gradients, reduced in
+    other orders and with the balance loss taken per micro-batch under PP, feed Muon and AdamW
+    for 20 steps).
+
+    dualpipev used to be 4e-4 off at the second step: torch's split input/weight backward gave
+    the last stage's block wrong weight gradients (see ``parallel.pipeline``); it now matches
+    as closely as 1f1b."""
     _, reference = fsdp_run
-    losses = _run(tmp_path, mesh, "steps=2", f"parallel.pp_schedule={schedule!r}").train_losses
+    losses = _run(
+        tmp_path, mesh, f"steps={STEPS}", f"parallel.pp_schedule={schedule!r}"
+    ).train_losses
+    assert len(losses) == STEPS
     assert losses[0] == pytest.approx(reference[0], abs=1e-4)
-    assert losses[1] == pytest.approx(reference[1], abs=1e-3)
+    worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
+    assert worst < 1e-3, f"{mesh} {schedule}: largest gap to FSDP over {STEPS} steps {worst:.2e}"
 
 
 @pytest.mark.parametrize(
@@ -65,15 +83,15 @@ def test_layout_first_step_loss_equals_fsdp(fsdp_run, tmp_path, mesh, schedule):
     ],
 )
 def test_fsdp_checkpoint_resumes_with_another_layout(fsdp_run, tmp_path, mesh):
-    """The FSDP run's step-2 checkpoint, loaded into another layout (DCP reshards by name and
+    """The FSDP run's step-10 checkpoint, loaded into another layout (DCP reshards by name and
     offset), continues with the uninterrupted FSDP run's losses."""
     out, reference = fsdp_run
-    step2 = "step_0000002"
-    shutil.copytree(out / "checkpoints" / step2, tmp_path / "checkpoints" / step2)
-    (tmp_path / "checkpoints" / "latest").write_text(step2)
-    rest = _run(tmp_path, mesh, "steps=4", resume=True)
-    assert rest.first_step == 2
-    assert rest.train_losses == pytest.approx(reference[2:], abs=1e-4)
+    step10 = "step_0000010"
+    shutil.copytree(out / "checkpoints" / step10, tmp_path / "checkpoints" / step10)
+    (tmp_path / "checkpoints" / "latest").write_text(step10)
+    rest = _run(tmp_path, mesh, "steps=12", resume=True)
+    assert rest.first_step == 10
+    assert rest.train_losses == pytest.approx(reference[10:12], abs=1e-4)
 
 
 @pytest.mark.slow

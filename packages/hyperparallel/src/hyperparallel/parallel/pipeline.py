@@ -202,6 +202,26 @@ class Pipeline:
         return lm_loss(x, targets) if self.has_last else None
 
 
+def _weights_in_full_backward() -> Callable[[], None]:
+    """``dw_builder`` of the V schedules' stages: their ``BACKWARD_INPUT`` action then runs the
+    full backward (input and weight gradients, as 1F1B does) and ``BACKWARD_WEIGHT`` nothing.
+
+    Why: torch 2.14's split backward (``stage_backward_input`` then ``stage_backward_weight``,
+    which replays the weight half from saved intermediate gradients) gave this model wrong
+    weight gradients on the last stage's block under DualPipeV: 0.80-0.95 of the norm and
+    cosine 0.94-0.99 against the FSDP run's, while every other parameter matched to 3e-7.
+    That was the 4e-4 second-step loss gap (and ZBV's 2.8e-3); torch tracks the same class of
+    bug for weights used at several sites (pytorch/pytorch#180952). The schedule keeps its
+    order, pairing one micro-batch's backward with another's forward; what is lost is only the
+    deferral of the weight half into pipeline bubbles.
+    """
+    return _no_weight_pass
+
+
+def _no_weight_pass() -> None:
+    """The weight half, already done by the full backward."""
+
+
 def build_pipeline(
     model: MoETransformer,
     *,
@@ -231,7 +251,13 @@ def build_pipeline(
         module = StageModule(model, ranges[index], index == 0, index == n_stages - 1, scale)
         shard(module)
         modules.append(module)
-        stages.append(PipelineStage(module, index, n_stages, device, group=pp_mesh.get_group()))
+        # V schedules split each backward into input (I) and weight (W) actions; the split
+        # path's weight gradients are wrong here, so the I action runs the whole backward.
+        v_shape = schedule in ("dualpipev", "zbv")
+        extra = {"dw_builder": _weights_in_full_backward} if v_shape else {}
+        stages.append(
+            PipelineStage(module, index, n_stages, device, group=pp_mesh.get_group(), **extra)
+        )
     cls = getattr(pipelining, _SCHEDULE_CLASS[schedule])
     if early_recompute:
         from hyperparallel.activation import EarlyRecompute1F1B, EarlyRecomputeDualPipeV
