@@ -1,0 +1,159 @@
+"""``hyperparallel train --model`` with a tiny transformers config: the CLI end to end on 2 ranks,
+the first-step loss against the single-process library forward, exact resume, and refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from typer.testing import CliRunner
+
+from hyperparallel.cli import app
+from hyperparallel.data.stdlib_bytes import ByteBatches
+from hyperparallel.data.tokens import encode, load_text
+from hyperparallel.train.config import load_config
+from hyperparallel.train.presets import debug
+
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+STEPS = 8
+
+
+def _train(model: Path, out: Path, *extra: str, steps: int = STEPS) -> list[float]:
+    """``hyperparallel train --model`` on 2 ranks; the per-step losses from metrics.json."""
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--preset",
+            "debug",
+            "--model",
+            str(model),
+            "--nproc",
+            "2",
+            "--steps",
+            str(steps),
+            "--out-dir",
+            str(out),
+            "--set",
+            "checkpoint_every=4",
+            "--set",
+            "eval_every=4",
+            *extra,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    return [r["loss"] for r in json.loads((out / "metrics.json").read_text())["train"]]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    """A Qwen3-MoE config.json (no weights, no tokenizer: random weights, bytes)."""
+    folder = tmp_path_factory.mktemp("qwen3-moe")
+    shape = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+    }
+    transformers.Qwen3MoeConfig(**shape, **MOE).save_pretrained(folder)
+    return folder / "config.json"
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_moe: Path, tmp_path_factory) -> tuple[Path, list[float]]:
+    """One uninterrupted run, shared by the checks below (starting ranks costs seconds)."""
+    out = tmp_path_factory.mktemp("full")
+    return out, _train(tiny_moe, out, "--overwrite")
+
+
+@pytest.mark.distributed
+def test_cli_trains_the_model_and_writes_outputs(full_run):
+    out, losses = full_run
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # random init on text: loss falls
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["hf"]["source"].endswith("config.json")
+    assert [v["step"] for v in metrics["val"]] == [4, 8]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "checkpoints" / "latest").read_text() == "step_0000008"
+
+
+@pytest.mark.distributed
+def test_first_step_loss_equals_the_single_process_library_forward(tiny_moe: Path, full_run):
+    """Independent reference: the transformers model (same seed) in one process, its own logits
+    and F.cross_entropy over both ranks' batches; not the chunked loss, not FSDP."""
+    _, losses = full_run
+    cfg = load_config(debug(), overrides=[f"hf.source={str(tiny_moe)!r}"])
+    config = transformers.AutoConfig.from_pretrained(tiny_moe.parent)
+    torch.manual_seed(cfg.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = encode(load_text(cfg.data.path, cfg.data.max_bytes), config.vocab_size)
+    data = ByteBatches(ids, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    batches = [data.train_batch(0, rank, cfg.data.batch_size) for rank in (0, 1)]
+    inputs = torch.cat([b[0] for b in batches])
+    targets = torch.cat([b[1] for b in batches])
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert abs(losses[0] - want) < 1e-4
+
+
+@pytest.mark.distributed
+def test_resume_continues_with_identical_losses(tiny_moe: Path, full_run, tmp_path: Path):
+    _, full = full_run
+    first = _train(tiny_moe, tmp_path, steps=4)  # within warm-up: same lr as the full run
+    assert first == full[:4]
+    resumed = _train(tiny_moe, tmp_path, "--resume")
+    assert resumed == full  # metrics.json keeps steps 1-4 and appends 5-8
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "{tmp}/missing"], "--model {tmp}/missing: no such file or folder"),
+        (["--model", "{tmp}/notes.txt"], "a file other than config.json"),
+        (["--model", "{tmp}"], "no config.json in this folder"),
+        (["--model", "{gpt2}"], "no parallelize plan for GPT2LMHeadModel"),
+        (
+            ["--model", "{moe}", "--set", "data.seq_len=65"],
+            "data.seq_len=65 exceeds max_position_embeddings=64",
+        ),
+        (["--model", "{moe}", "--mesh", "pp=2"], "pp=2 is not supported with --model"),
+        (["--model", "{moe}", "--mesh", "ep=2"], "ep=2 is not supported with --model"),
+        (["--model", "{moe}", "--load-weights"], "holds no *.safetensors"),
+        (["--model", "{moe}", "--set", "hf.overrides={{n_layers=1}}"], "n_layers not a field"),
+        (["--model", "{moe}", "--tokenizer", "{tmp}/none"], "--tokenizer {tmp}/none: not a"),
+    ],
+)
+def test_bad_model_settings_are_refused_in_one_line(
+    args: list[str], message: str, tiny_moe: Path, tmp_path: Path
+):
+    (tmp_path / "notes.txt").write_text("not a config")
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(gpt2)
+    names = {"tmp": tmp_path, "moe": tiny_moe, "gpt2": gpt2}
+    out = tmp_path / "out"
+    argv = ["train", "--preset", "debug", "--nproc", "2", "--out-dir", str(out)]
+    argv += [a.format(**names) for a in args]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message.format(**names) in " ".join(lines)
+    assert not out.exists()  # refused before anything was written
+
+
+def test_help_explains_model():
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert "--model" in text and "config.json" in text and "pp and ep meshes are refused" in text
