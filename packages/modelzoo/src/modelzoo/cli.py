@@ -1,4 +1,4 @@
-"""``modelzoo``: list, show and validate model cards; convert and run the full ones.
+"""``modelzoo``: list, show and validate model cards; convert, run and train the full ones.
 
 Listing and validation need neither transformers nor diffusers; convert and run import the
 card's library when they need it and say which extra to install when it is missing.
@@ -20,7 +20,7 @@ from rich.table import Table
 
 from modelzoo import registry
 from modelzoo.checks import InputError, check_card_file, check_source
-from modelzoo.options import ConvertOptions, RunOptions
+from modelzoo.options import ConvertOptions, RunOptions, TrainOptions
 from modelzoo.schema import Category, ModelCard, Status
 from modelzoo.table import render_markdown, update_readme
 from modelzoo.validate import CardError
@@ -184,6 +184,35 @@ def run(
             with console.status(f"running {name}"):
                 result = run_example(card, **kwargs)
     except (LibraryMissingError, FileNotFoundError, ValueError) as exc:
+        raise _fail(exc) from None
+    print(json.dumps(result, indent=2, default=str))
+
+
+@app.command()
+@config_options(TrainOptions, flags={"out_dir": "--out-dir"})
+def train(
+    name: Annotated[str, typer.Argument(help="Card id of a full LLM card.")],
+    config: TrainOptions,
+    resume: Annotated[
+        bool, typer.Option(help="Continue from the last complete checkpoint in --out-dir.")
+    ] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an earlier run in --out-dir.")] = False,
+) -> None:
+    """Train a full LLM card with hyperparallel (FSDP2/HSDP, Muon + AdamW) and print a summary.
+
+    e.g. `modelzoo train qwen3-0.6b --tiny --nproc 2 --steps 20` (the card's tiny shape, random
+    weights, offline: OUT/model/config.json is written and trained) or `modelzoo train qwen3-8b
+    --path ./Qwen3-8B --data corpus.jsonl` (the folder's weights and tokenizer). Writes
+    metrics.json, loss.png and DCP checkpoints into --out-dir (default runs/train/<card>).
+    Needs the `train` extra (hyperparallel).
+    """
+    from modelzoo.build import LibraryMissingError
+    from modelzoo.training import train as run_training
+
+    card = _card(name)
+    try:
+        result = run_training(card, config, resume=resume, overwrite=overwrite)
+    except (LibraryMissingError, InputError) as exc:
         raise _fail(exc) from None
     print(json.dumps(result, indent=2, default=str))
 

@@ -1,4 +1,4 @@
-"""Settings of ``modelzoo convert`` and ``modelzoo run``: the fields are the command-line options.
+"""Settings of ``modelzoo convert``, ``run`` and ``train``: the fields are the command-line options.
 
 Both commands get their options generated from these models (``npu_core.cli.config_options``),
 so ``--config FILE.toml`` and ``--set field=value`` reach every field and a bad value is refused
@@ -58,3 +58,35 @@ class RunOptions(SourceOptions):
         "The capital of France is", description="Prompt when a tokenizer is in --path."
     )
     boost: bool = Field(True, description="Apply the card's liteboost options.")
+
+
+class TrainOptions(StrictConfig):
+    """``modelzoo train``: a full LLM card trained with hyperparallel (FSDP2/HSDP, Muon)."""
+
+    tiny: bool = Field(
+        False, description="Train the card's tiny shape from random weights (offline)."
+    )
+    path: Path | None = Field(
+        None,
+        description="Local model folder (a copy of the hub repo): its weights are loaded and "
+        "its tokenizer used; not with --tiny.",
+    )
+    nproc: int = Field(2, ge=1, description="Local ranks to spawn (ignored under torchrun).")
+    mesh: str = Field(
+        "fsdp",
+        description="hyperparallel mesh over the ranks: 'fsdp' (all ranks shard) or 'RxS' "
+        "(HSDP: R replicas of S shards); pp and ep are not supported for these models.",
+    )
+    steps: int = Field(20, ge=1, description="Optimizer steps (a resumed run included).")
+    data: Path | None = Field(
+        None, description="Text or JSONL file, or a folder of text; default: Python's stdlib."
+    )
+    max_bytes: int = Field(1_000_000, ge=8192, description="Bytes of text read from --data.")
+    seq_len: int = Field(64, ge=8, description="Tokens per sample.")
+    batch_size: int = Field(4, ge=1, description="Samples per data-parallel rank per step.")
+    seed: int = Field(0, description="Seed of the random weights and of the data order.")
+    out_dir: Path | None = Field(
+        None,
+        description="Run folder: model/config.json (--tiny), metrics.json, loss.png, "
+        "checkpoints; default runs/train/<card>.",
+    )
