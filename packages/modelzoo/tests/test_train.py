@@ -1,0 +1,141 @@
+"""``modelzoo train``: every full LLM card trains with hyperparallel on 2 ranks, the command end
+to end, weights from a local folder, and refusals before any rank starts.
+
+Budget: starting a pair of ranks and importing transformers in them costs most of a run on a
+small CPU machine, so the 20-step runs of all full LLM cards share one pair of ranks (the
+hyperparallel trainer joins the launcher's process group; each card gets its own mesh, model,
+optimizer and out-dir, exactly what ``modelzoo train`` would give it). The command itself is
+run once end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from typer.testing import CliRunner
+
+from hyperparallel.data.stdlib_bytes import ByteBatches
+from hyperparallel.data.tokens import encode, load_text
+from hyperparallel.train.trainer import train_rank
+from modelzoo import registry
+from modelzoo.checks import InputError
+from modelzoo.cli import app
+from modelzoo.options import TrainOptions
+from modelzoo.training import check_trainable, train_config, trainable_cards, write_tiny_config
+from npu_core.dist import launch
+
+STEPS = 20
+SMALL = {"max_bytes": 200_000, "seq_len": 32, "batch_size": 4}
+
+
+def _train_all(cfgs: list) -> list[list[float]]:
+    """One rank: each configuration trained in turn in the launcher's process group."""
+    return [train_rank(cfg, False).train_losses for cfg in cfgs]
+
+
+def _reference_first_loss(cfg, folder: Path) -> float:
+    """Single process, the library's own logits and F.cross_entropy: the first-step loss of the
+    weights in ``folder`` on both ranks' first batches."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    ids = encode(load_text(cfg.data.path, cfg.data.max_bytes), model.config.vocab_size)
+    data = ByteBatches(ids, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    batches = [data.train_batch(0, rank, cfg.data.batch_size) for rank in (0, 1)]
+    inputs, targets = (torch.cat([b[i] for b in batches]) for i in (0, 1))
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+def test_trainable_cards_are_the_full_llm_cards():
+    ids = [c.id for c in trainable_cards()]
+    assert len(ids) == 21 and "qwen3-0.6b" in ids and "deepseek-v3.2" in ids
+    assert all(registry.get(i).architecture.endswith("ForCausalLM") for i in ids)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_every_full_llm_card_trains_tiny_for_20_steps_on_2_ranks(tmp_path: Path):
+    """All full LLM cards, tiny shape, 20 steps of FSDP2 + Muon on 2 ranks, seed 0: every loss
+    finite and the mean of the last 5 steps below the mean of the first 5. Plus qwen3-0.6b from
+    a local folder with weights (--path): its first-step loss is the single-process loss of
+    those weights."""
+    cards = trainable_cards()
+    cfgs = []
+    for card in cards:
+        options = TrainOptions(tiny=True, steps=STEPS, out_dir=tmp_path / card.id, **SMALL)
+        model = write_tiny_config(card, tmp_path / card.id / "model")
+        cfgs.append(train_config(card, options, model))
+    saved = tmp_path / "saved-qwen3"
+    card = registry.get("qwen3-0.6b")
+    torch.manual_seed(5)
+    config = transformers.AutoConfig.from_pretrained(write_tiny_config(card, saved).parent)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(saved)
+    options = TrainOptions(path=saved, steps=2, out_dir=tmp_path / "from-path", **SMALL)
+    cfgs.append(train_config(card, options, saved))
+    assert cfgs[-1].hf.load_weights
+
+    losses = launch(_train_all, 2, cfgs, timeout=1200)[0]
+    for card, run in zip(cards, losses, strict=False):
+        assert len(run) == STEPS and all(math.isfinite(x) for x in run), card.id
+        assert sum(run[-5:]) / 5 < sum(run[:5]) / 5, (card.id, run)
+        assert (tmp_path / card.id / "checkpoints" / "latest").read_text() == "step_0000020"
+    assert abs(losses[-1][0] - _reference_first_loss(cfgs[-1], saved)) < 1e-4
+
+
+@pytest.mark.distributed
+def test_train_command_end_to_end(tmp_path: Path):
+    out = tmp_path / "run"
+    args = ["train", "qwen3-30b-a3b-instruct-2507", "--tiny", "--steps", "4", "--out-dir"]
+    small = ["--set", "max_bytes=200000", "--set", "seq_len=32"]
+    result = CliRunner().invoke(app, [*args, str(out), *small])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[result.stdout.index("{") :])
+    assert summary["card"] == "qwen3-30b-a3b-instruct-2507" and summary["steps"] == [0, 4]
+    assert len(summary["losses"]) == 4 and all(math.isfinite(x) for x in summary["losses"])
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 4
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [r["loss"] for r in metrics["train"]] == summary["losses"]
+    assert (out / "loss.png").exists() and (out / "checkpoints" / "latest").exists()
+
+
+def test_only_full_llm_cards_train():
+    with pytest.raises(InputError, match=r"flux\.1-dev is a image-generation card; .*qwen3-0\.6b"):
+        check_trainable(registry.get("flux.1-dev"))
+    listed = next(c for c in registry.list("llm", "listed"))
+    with pytest.raises(InputError, match=f"{listed.id} is a listed card"):
+        check_trainable(listed)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["flux.1-dev", "--tiny"], "modelzoo train takes the full LLM cards: deepseek-v3-0324"),
+        (["qwen3-0.6b"], "give --tiny (random weights, offline) or --path DIR"),
+        (["qwen3-0.6b", "--tiny", "--path", "{tmp}"], "give --tiny or --path, not both"),
+        (["qwen3-0.6b", "--path", "{tmp}/missing"], "does not exist"),
+        (["qwen3-0.6b", "--tiny", "--mesh", "pp=2"], "pp=2 is not supported with --model"),
+        (
+            ["qwen3-0.6b", "--tiny", "--seq-len", "256"],
+            "data.seq_len=256 exceeds max_position_embeddings=128",
+        ),
+        (["qwen3-0.6b", "--tiny", "--data", "{tmp}/none.txt"], "no such file or folder"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_before_ranks(
+    args: list[str], message: str, tmp_path: Path
+):
+    out = tmp_path / "out"
+    argv = ["train", *(a.format(tmp=tmp_path) for a in args), "--out-dir", str(out)]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message in lines[0]
+    assert not (out / "metrics.json").exists()
