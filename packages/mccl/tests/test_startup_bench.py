@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 from typer.testing import CliRunner
 
+from mccl import bench
 from mccl.bench import StartupBenchConfig, measure_startup, results_table
 from mccl.cli import app, main
+from npu_core.dist import launch
 
 
 @pytest.mark.distributed
@@ -26,6 +29,26 @@ def test_startup_bench_measures_both_paths_with_device_init():
     # Not mccl_s < sync_s: at 2 ranks initialisation takes 3-7 ms, the size of mccl's fixed cost
     # and of scheduling noise on a shared 2-core machine (see the README); overlap is what counts.
     assert result.overlap_ratio < 1.5
+
+
+def _bench_rank_with_async_init_off(cfg: StartupBenchConfig) -> dict:
+    # in the rank: ranks come from the launcher's forkserver, not with this process's environ
+    os.environ["MCCL_ASYNC_INIT"] = "0"
+    return bench._rank_main(cfg)
+
+
+@pytest.mark.distributed
+def test_startup_bench_with_async_init_turned_off_measures_the_blocking_path():
+    """MCCL_ASYNC_INIT=0 makes mccl's rounds take the blocking path (no background time to
+    report): their init time is then the call's, as for sync (it was None, and the run died
+    converting it to a float)."""
+    cfg = StartupBenchConfig(ranks=(2,), rounds=1, calibration_rounds=1, device_init_ms=50.0)
+    values = launch(_bench_rank_with_async_init_off, 2, cfg, backend=None, timeout=300)[0]
+    (init,), (total,) = values["mccl_init"], values["mccl"]
+    # the blocking path ran init, then the device init: on every rank total >= init + device,
+    # so also for the slowest rank's values (an overlapping, asynchronous init would not be)
+    assert init > 0 and init + values["device_s"] <= total, values
+    assert values["device_s"] == pytest.approx(0.05)
 
 
 @pytest.mark.distributed

@@ -14,9 +14,13 @@ import os
 import socket
 import threading
 import time
-from urllib.parse import urlparse
+from urllib.parse import ParseResult, urlparse
 
 import torch.distributed as dist
+
+# torch.distributed re-exports these without declaring them (no `as`, not in __all__)
+from torch._C._distributed_c10d import Store, TCPStore
+from torch.distributed.rendezvous import rendezvous
 
 from mccl import env
 from mccl.config import InitRequest
@@ -50,7 +54,7 @@ def abandoned_error(request: InitRequest) -> MCCLError:
     )
 
 
-def connect_store(request: InitRequest, deadline: float, stop: threading.Event) -> dist.Store:
+def connect_store(request: InitRequest, deadline: float, stop: threading.Event) -> Store:
     """Create (rank 0) or join the rendezvous store before ``deadline`` (a monotonic time).
 
     For env:// and tcp:// the store is built here without waiting for workers: torch's own
@@ -72,9 +76,10 @@ def connect_store(request: InitRequest, deadline: float, stop: threading.Event) 
     url = urlparse(request.init_method)
     if url.scheme not in ("env", "tcp"):
         timeout = datetime.timedelta(seconds=request.init_timeout_s)
-        store, _, _ = next(
-            dist.rendezvous(request.init_method, request.rank, request.world_size, timeout=timeout)
-        )
+        # torch's rendezvous handlers are untyped; each yields (store, rank, world_size)
+        store: Store = next(
+            rendezvous(request.init_method, request.rank, request.world_size, timeout=timeout)
+        )[0]
         return store
     host, port = _host_port(request, url)
     env_store = (env.master_addr(), env.integer(env.MASTER_PORT))
@@ -90,7 +95,7 @@ def connect_store(request: InitRequest, deadline: float, stop: threading.Event) 
     return store
 
 
-def _host_store(request: InitRequest, host: str, port: int) -> dist.TCPStore:
+def _host_store(request: InitRequest, host: str, port: int) -> TCPStore:
     try:
         return _tcp_store(request, host, port, True, request.init_timeout_s)
     except (RuntimeError, dist.DistError) as exc:
@@ -102,7 +107,7 @@ def _host_store(request: InitRequest, host: str, port: int) -> dist.TCPStore:
     raise error  # outside the handler: torch's exception is not chained in front of ours
 
 
-def _join_store(request: InitRequest, host: str, port: int, deadline: float) -> dist.TCPStore:
+def _join_store(request: InitRequest, host: str, port: int, deadline: float) -> TCPStore:
     try:
         return _tcp_store(request, host, port, False, max(deadline - time.monotonic(), POLL_S))
     except (RuntimeError, dist.DistError):
@@ -112,8 +117,8 @@ def _join_store(request: InitRequest, host: str, port: int, deadline: float) -> 
 
 def _tcp_store(
     request: InitRequest, host: str, port: int, is_master: bool, timeout_s: float
-) -> dist.TCPStore:
-    return dist.TCPStore(
+) -> TCPStore:
+    return TCPStore(
         host,
         port,
         request.world_size,
@@ -151,7 +156,7 @@ def _unreachable_error(request: InitRequest, host: str, port: int) -> InitTimeou
     )
 
 
-def _host_port(request: InitRequest, url) -> tuple[str, int]:
+def _host_port(request: InitRequest, url: ParseResult) -> tuple[str, int]:
     if url.scheme == "tcp":
         if url.hostname is None or url.port is None:
             raise ValueError(f"init_method {request.init_method!r} needs tcp://HOST:PORT")
@@ -168,7 +173,7 @@ def _host_port(request: InitRequest, url) -> tuple[str, int]:
     return addr, port
 
 
-def announce(store: dist.Store, request: InitRequest) -> None:
+def announce(store: Store, request: InitRequest) -> None:
     """Register this rank's arrival, for :func:`await_arrivals` on every rank."""
     store.set(_arrival_key(request.rank), str(os.getpid()))
 
@@ -178,7 +183,7 @@ def _arrival_key(rank: int) -> str:
 
 
 def await_arrivals(
-    store: dist.Store, request: InitRequest, deadline: float, stop: threading.Event
+    store: Store, request: InitRequest, deadline: float, stop: threading.Event
 ) -> None:
     """Return once every rank has announced itself in ``store``.
 

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+# torch.distributed re-exports these without declaring them (no `as`, not in __all__)
+from torch._C._distributed_c10d import Store
+
 from mccl import gate
 from mccl._rendezvous import (
     POLL_S,
@@ -86,7 +89,7 @@ class InitWorker:
         self.finished_at: float | None = None
         self.error: BaseException | None = None
         self._error_tb: TracebackType | None = None
-        self._store: dist.Store | None = None
+        self._store: Store | None = None
         self._all_arrived = False
         self._settled = threading.Event()  # the outcome (ready or failed) is known
         self._stop = threading.Event()  # asks the thread to leave its waits for peers
@@ -277,6 +280,8 @@ def _is_gloo(backend: str) -> bool:
 def _set_group_timeout(timeout: datetime.timedelta) -> None:
     """Give the default group its collective timeout (called on the initialising thread)."""
     group = dist.distributed_c10d.GroupMember.WORLD
+    if group is None:  # only called once init_process_group has returned
+        raise MCCLError("the default process group is gone before its timeout could be set")
     if hasattr(group, "set_timeout"):  # newer torch; older releases only have _set_pg_timeout
         group.set_timeout(timeout)
     else:

@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, field_validator
 
+# torch.distributed re-exports these without declaring them (no `as`, not in __all__)
+from torch._C._distributed_c10d import TCPStore
+
 from mccl import env
 from mccl.api import init_process_group as mccl_init_process_group
 from npu_core.bench import BenchTable
@@ -82,7 +85,7 @@ class _Control:
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
-        self.store = dist.TCPStore(
+        self.store = TCPStore(
             LOOPBACK,
             _launcher_int(env.MASTER_PORT),
             world_size,
@@ -115,30 +118,34 @@ class _Control:
 
 def _one_round(
     ctl: _Control, key: str, mode: str, cfg: StartupBenchConfig, device_s: float
-) -> float:
+) -> tuple[float, float]:
+    """(barrier to first all_reduce, initialisation alone) in seconds, on this rank."""
     rank, world = ctl.rank, ctl.world_size
     port = ctl.shared_port(key)
     # As under torchrun, the store server exists before the ranks start (the elastic agent hosts
     # it) and every rank joins it as a client through env://. Letting rank 0 create it inside the
     # timed region instead measures TCPStore's connect-retry back-off (seconds at 16+ ranks).
     server = (
-        dist.TCPStore(LOOPBACK, port, world, is_master=True, wait_for_workers=False)
+        TCPStore(LOOPBACK, port, world, is_master=True, wait_for_workers=False)
         if (rank == 0)
         else None
     )
     env.set_rendezvous(LOOPBACK, port, agent_store=True)
     ctl.barrier(f"{key}/start")
     start = time.perf_counter()
+    handle = None
     if mode == "mccl":
         handle = mccl_init_process_group(cfg.backend, rank=rank, world_size=world)
     else:
         dist.init_process_group(cfg.backend, rank=rank, world_size=world)
-        init_s = time.perf_counter() - start
+    returned_s = time.perf_counter() - start
     _simulate_device_init(cfg.device_init, device_s)
     dist.all_reduce(torch.ones(1))
     elapsed = time.perf_counter() - start
-    if mode == "mccl":
-        init_s = handle.elapsed()
+    # mccl's background initialisation reports its own time; where the blocking path ran
+    # inside the call (sync mode, or MCCL_ASYNC_INIT=0 turning mccl's off) it is the call's
+    background_s = handle.elapsed() if handle is not None else None
+    init_s = returned_s if background_s is None else background_s
     ctl.barrier(f"{key}/end")  # nobody tears down a group (or its store) a peer still uses
     dist.destroy_process_group()
     del server
