@@ -99,7 +99,7 @@ def test_train_command_end_to_end(tmp_path: Path):
     assert summary["card"] == "qwen3-30b-a3b-instruct-2507" and summary["steps"] == [0, 4]
     assert len(summary["losses"]) == 4 and all(math.isfinite(x) for x in summary["losses"])
     config = json.loads((out / "model" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 4
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_hidden_layers"] == 2
     metrics = json.loads((out / "metrics.json").read_text())
     assert [r["loss"] for r in metrics["train"]] == summary["losses"]
     assert (out / "loss.png").exists() and (out / "checkpoints" / "latest").exists()
