@@ -12,10 +12,16 @@ rotates each round):
 - ``sparse+rope``: both (the combination a user turns on).
 
 Each block's forward is timed by forward hooks; ``rest`` is the forward minus its blocks (patch
-embedding, text and time embedding, RoPE tables, output head). The whole-transformer projection
-is ``rest + 30 x block`` per variant. Step caching is stated as a per-step fraction: a step the
-first-block cache skips runs ``rest + 1 block`` (the first block decides, the others are replaced
-by the cached residual), so its cost relative to a full step follows from the same two numbers.
+embedding, text and time embedding, RoPE tables, output head). ``--clock cpu`` (default) times
+the process's CPU seconds (``time.process_time``, all intra-op threads) instead of wall time: on
+a machine shared with other jobs the wall time of one forward moved by 35% between identical
+calls, the CPU time of the compute much less. Run it with ``OMP_WAIT_POLICY=PASSIVE`` so that
+waiting OpenMP threads sleep instead of spinning (spinning counts as CPU time).
+
+The whole-transformer projection is ``rest + 30 x block`` per variant. Step caching is stated as
+a per-step fraction: a step the first-block cache skips runs ``rest + 1 block`` (the first block
+decides, the others are replaced by the cached residual), so its cost relative to a full step
+follows from the same two numbers.
 
     python packages/liteboost/benchmarks/wan_blocks.py --out DIR [--frames 21] [--rounds 2]
 """
@@ -70,7 +76,8 @@ def boost_for(model, variant: str, sparsity: float):
 class BlockClock:
     """Times every block forward of a model through torch forward hooks."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.times: list[float] = []
         self._start = 0.0
         self.handles = []
@@ -79,10 +86,10 @@ class BlockClock:
             self.handles.append(block.register_forward_hook(self._post))
 
     def _pre(self, *_: object) -> None:
-        self._start = time.perf_counter()
+        self._start = self.clock()
 
     def _post(self, *_: object) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        self.times.append(self.clock() - self._start)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -98,15 +105,21 @@ def inputs(frames: int) -> dict[str, torch.Tensor]:
     )
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
 @torch.no_grad()
-def forward_once(model, args: dict, variant: str, sparsity: float) -> tuple[float, list[float]]:
-    """One forward under ``variant``: (total seconds, per-block seconds)."""
-    clock = BlockClock(model)
+def forward_once(
+    model, args: dict, variant: str, sparsity: float, clock_name: str
+) -> tuple[float, list[float]]:
+    """One forward under ``variant``: (total seconds, per-block seconds) on ``clock_name``."""
+    clock_fn = CLOCKS[clock_name]
+    clock = BlockClock(model, clock_fn)
     boost = boost_for(model, variant, sparsity)
     try:
-        start = time.perf_counter()
+        start = clock_fn()
         model(**args, return_dict=False)
-        total = time.perf_counter() - start
+        total = clock_fn() - start
     finally:
         if boost is not None:
             boost.remove()
@@ -115,7 +128,13 @@ def forward_once(model, args: dict, variant: str, sparsity: float) -> tuple[floa
 
 
 def measure(
-    model, frames: int, rounds: int, sparsity: float, variants: tuple[str, ...], log: Callable
+    model,
+    frames: int,
+    rounds: int,
+    sparsity: float,
+    variants: tuple[str, ...],
+    log: Callable,
+    clock: str = "cpu",
 ) -> dict[str, dict[str, list[float]]]:
     """Interleaved rounds: per variant the list of totals, of per-block times and of ``rest``."""
     args = inputs(frames)
@@ -123,7 +142,7 @@ def measure(
     for r in range(rounds):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for variant in order:
-            total, blocks = forward_once(model, args, variant, sparsity)
+            total, blocks = forward_once(model, args, variant, sparsity, clock)
             samples[variant]["total"].append(total)
             samples[variant]["block"].extend(blocks)
             samples[variant]["rest"].append(total - sum(blocks))
@@ -139,6 +158,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     parser.add_argument("--sparsity", type=float, default=0.8)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -150,7 +170,13 @@ def main() -> None:
     # Warm-up on a 1-frame latent: first-call allocations and dispatch.
     measure(model, 1, 1, args.sparsity, variants, lambda _: None)
     samples = measure(
-        model, args.frames, args.rounds, args.sparsity, variants, lambda m: print(m, flush=True)
+        model,
+        args.frames,
+        args.rounds,
+        args.sparsity,
+        variants,
+        lambda m: print(m, flush=True),
+        args.clock,
     )
     table = BenchTable(
         f"Wan2.1-1.3B blocks, {tokens} tokens ({args.frames} x 30 x 52), fp32, "
@@ -170,6 +196,7 @@ def main() -> None:
             "tokens": tokens,
             "sparsity": args.sparsity,
             "threads": torch.get_num_threads(),
+            "clock": args.clock,
             "block_s": "median over rounds and blocks of one block forward",
             "rest_s": "median of (forward - its blocks): embeddings, RoPE tables, output head",
             "step_30_s": "rest_s + 30 x block_s (one transformer call of the 30-block model)",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, TaylorSeerCacheConfig
 
 import liteboost
 from liteboost.cache import cache_config, composes_with_sequence_parallel
@@ -88,6 +88,63 @@ def test_cache_config_objects_and_names(pipe, uncached):
         assert _latents(pipe).shape == uncached.shape
 
 
+def _attn1_outputs(pipe, run) -> tuple[list[torch.Tensor], int]:
+    """Block 0's self-attention outputs per transformer call, and how often it computed."""
+    outputs: list[torch.Tensor] = []
+    computed = []
+    attn = pipe.transformer.blocks[0].attn1
+    handles = [
+        attn.register_forward_hook(lambda _m, _a, out: outputs.append(out.clone())),
+        attn.to_q.register_forward_hook(lambda *_: computed.append(1)),
+    ]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, len(computed)
+
+
+def test_faster_cache_reuses_each_branchs_own_attention(pipe, uncached):
+    """cache="faster": a skipped self-attention is extrapolated from the same branch's last two.
+
+    6 steps at timesteps 999 ... 376; FasterCache may skip below 681 on odd iterations: only
+    step 5 (376) of each branch. Steps 0-4 run as uncached, so the skipped outputs must be
+    out4 + 0.5 * (out4 - out3) of the *same* branch (the pipeline alternates cond, uncond;
+    diffusers' one state per hook would extrapolate across the branches).
+    """
+    with liteboost.BoostManager(pipe):
+        reference, ref_computed = _attn1_outputs(pipe, lambda: _latents(pipe))
+    box = []
+    with liteboost.BoostManager(pipe, cache="faster") as manager:
+        assert isinstance(manager.cache, FasterCacheConfig)
+        outputs, computed = _attn1_outputs(pipe, lambda: box.append(_latents(pipe)))
+    steps = CALL["num_inference_steps"]
+    assert ref_computed == len(reference) == len(outputs) == 2 * steps
+    assert computed == 2 * steps - 2, computed
+    for call in range(2 * steps - 2):
+        torch.testing.assert_close(outputs[call], reference[call], atol=1e-5, rtol=1e-5)
+    for branch in (0, 1):  # 0 = cond, 1 = uncond
+        last, before = reference[2 * (steps - 2) + branch], reference[2 * (steps - 3) + branch]
+        expected = last + 0.5 * (last - before)
+        got = outputs[2 * (steps - 1) + branch]
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=f"branch {branch}")
+    rel = ((box[0] - uncached).norm() / uncached.norm()).item()
+    assert 0 < rel < 0.1, rel
+    assert torch.equal(_latents(pipe), uncached), "remove() must restore the stock pipeline"
+
+
+def test_faster_cache_unconditional_shortcut_is_refused():
+    """The batched-CFG shortcut cannot run on Wan's per-branch calls: refused, nothing left."""
+    pipe = build_tiny_pipeline()
+    config = FasterCacheConfig(current_timestep_callback=lambda: pipe.current_timestep)
+    with pytest.raises(ValueError, match=r"is_guidance_distilled=False.*once per branch"):
+        liteboost.BoostManager(pipe, cache=config)
+    assert "_liteboost_boost_owner" not in pipe.transformer.__dict__
+    with pytest.raises(ValueError, match="cache='faster' reads the pipeline's current timestep"):
+        liteboost.BoostManager(build_tiny_transformer(), cache="faster")
+
+
 def test_cache_errors_name_the_argument():
     model = build_tiny_transformer()
     with pytest.raises(ValueError, match="cache='bogus'; use one of first_block, pab"):
@@ -106,6 +163,7 @@ def test_which_caches_compose_with_sequence_parallelism():
 
     assert composes_with_sequence_parallel(FirstBlockCacheConfig())
     assert composes_with_sequence_parallel(TaylorSeerCacheConfig())
+    assert composes_with_sequence_parallel(FasterCacheConfig(is_guidance_distilled=True))
     assert composes_with_sequence_parallel(
         MagCacheConfig(mag_ratios=[1.0] * 4, num_inference_steps=4)
     )

@@ -116,7 +116,7 @@ def _hybrid_rank(transformer_cases: dict, layouts: list, pipe_layouts: list, cac
         boost = {"cache": "first_block", "cache_threshold": FBC_THRESHOLD}
         if boost_name == "fbc+sparse":
             boost.update(SPARSE)
-        elif boost_name in ("pab", "taylorseer"):
+        elif boost_name in ("pab", "taylorseer", "faster"):
             boost = {"cache": boost_name}
         single, single_calls = _cached_run(pipe, boost, None)
         parallel, calls = _cached_run(pipe, boost, layout)
@@ -189,7 +189,12 @@ def test_hybrid_layouts_equal_single_process(world, wan_inputs, wan_variant_inpu
     if world == 2:
         layouts = [(2, 1), (1, 2)]
         pipe_layouts = [(2, 1, 1), (1, 1, 2)]
-        cache_cases = [("fbc", (1, 2, 1)), ("fbc", (2, 1, 1)), ("fbc", (1, 1, 2))]
+        cache_cases = [
+            ("fbc", (1, 2, 1)),
+            ("fbc", (2, 1, 1)),
+            ("fbc", (1, 1, 2)),
+            ("faster", (2, 1, 1)),
+        ]
     else:
         layouts = [(4, 1), (1, 4), (2, 2)]
         pipe_layouts = [(2, 2, 1), (2, 1, 2), (1, 2, 2)]
@@ -198,6 +203,7 @@ def test_hybrid_layouts_equal_single_process(world, wan_inputs, wan_variant_inpu
             ("fbc", (2, 1, 2)),
             ("pab", (1, 2, 2)),
             ("taylorseer", (2, 2, 1)),
+            ("faster", (1, 2, 2)),
         ]
     results = launch(_hybrid_rank, world, cases, layouts, pipe_layouts, cache_cases, timeout=900)
     keys = [(n, u, r) for n in cases for u, r in layouts] + [(n, "boosted ring") for n in cases]

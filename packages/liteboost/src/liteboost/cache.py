@@ -17,6 +17,15 @@ reimplement any of them. What composing needs:
   rank's real tokens (padding excluded), all-reduced over the sequence-parallel group.
   Caches that decide from data in ways liteboost has not made group-wide (SeaCache, MagCache
   calibration) are refused under sequence parallelism instead of deadlocking.
+- FasterCache: diffusers' hooks keep one state per hook, not per ``cache_context``, and its
+  unconditional-branch shortcut splits a batch that holds both branches. diffusers' Wan pipelines
+  run the branches as two batch-1 calls, where that shortcut fails (IndexError in diffusers'
+  ``faster_cache.py``) and the attention reuse mixes the branches (the cached "previous" output
+  of the cond call is the uncond call's). liteboost gives every FasterCache hook one state per
+  ``cache_context`` name, so each branch reuses its own attention outputs, and accepts only
+  ``is_guidance_distilled=True`` (attention reuse, no unconditional shortcut). Under CFG
+  parallel the unconditional branch runs at the same time as the conditional one on the other
+  rank, so approximating it would save no time anyway, only add error.
 """
 
 from __future__ import annotations
@@ -27,9 +36,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks.hooks import BaseState, StateManager
 
 _FBC_HEAD_HOOK = "fbc_leader_block_hook"
-CACHE_NAMES = ("first_block", "pab", "taylorseer", "mag")
+CACHE_NAMES = ("first_block", "pab", "taylorseer", "faster", "mag")
+_FASTER_HOOKS = ("faster_cache_denoiser", "faster_cache_block")
 
 
 def cache_config(cache: object, pipeline: object | None = None, threshold: float | None = None):
@@ -77,13 +88,29 @@ def cache_config(cache: object, pipeline: object | None = None, threshold: float
         # diffusers' default patterns ("^blocks.*attn", matched whole) miss Wan's "attn1"/"attn2",
         # so name the blocks: their outputs are predicted from the Taylor factors.
         return TaylorSeerCacheConfig(cache_identifiers=[r"blocks\.\d+"])
+    if cache == "faster":
+        if pipeline is None:
+            raise ValueError(
+                "cache='faster' reads the pipeline's current timestep: pass the pipeline, or a "
+                "FasterCacheConfig with current_timestep_callback"
+            )
+        from diffusers.hooks import FasterCacheConfig
+
+        return FasterCacheConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 681),
+            current_timestep_callback=lambda: pipeline.current_timestep,
+            attention_weight_callback=lambda _module: 0.5,
+            is_guidance_distilled=True,
+            tensor_format="BCFHW",
+        )
     if cache == "mag":
         raise ValueError(
             "cache='mag' needs the model's calibrated magnitude ratios: pass "
             "diffusers.hooks.MagCacheConfig(mag_ratios=..., num_inference_steps=...)"
         )
     raise ValueError(
-        f"cache={cache!r}; use one of {', '.join(CACHE_NAMES[:3])} or a diffusers cache config"
+        f"cache={cache!r}; use one of {', '.join(CACHE_NAMES[:4])} or a diffusers cache config"
     )
 
 
@@ -93,6 +120,7 @@ def composes_with_sequence_parallel(config: object) -> bool:
     if name == "MagCacheConfig":
         return not getattr(config, "calibrate", False)
     return name in {
+        "FasterCacheConfig",
         "FirstBlockCacheConfig",
         "PyramidAttentionBroadcastConfig",
         "TaylorSeerCacheConfig",
@@ -149,6 +177,63 @@ def _group_wide_first_block_decision(hook, model: torch.nn.Module) -> Callable:
     return should_compute
 
 
+class _ContextOnly(BaseState):
+    """A state that holds nothing: its StateManager only receives the ``cache_context``."""
+
+    def reset(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def _branch_state(hook: Any) -> Any:
+    """The hook's state for the current ``cache_context`` name (None outside a context)."""
+    try:
+        name = hook.state_manager.context.name
+    except ValueError:  # a direct call, outside cache_context
+        name = None
+    states = hook.__dict__.setdefault("_liteboost_branch_states", {})
+    if name not in states:
+        states[name] = hook._liteboost_state_cls()
+    return states[name]
+
+
+def _reset_branch_states(hook: Any, module: torch.nn.Module) -> torch.nn.Module:
+    hook.__dict__.get("_liteboost_branch_states", {}).clear()
+    return module
+
+
+_PER_BRANCH: dict[type, type] = {}
+
+
+def _faster_cache_per_branch(model: torch.nn.Module) -> None:
+    """Give every FasterCache hook under ``model`` one state per ``cache_context`` name.
+
+    The hook's class becomes a subclass whose ``state`` reads the current branch's state; a
+    ``StateManager`` attribute makes diffusers hand the hook the context. ``disable_cache``
+    removes the hooks as usual.
+    """
+    from diffusers.hooks import HookRegistry
+
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None:
+            continue
+        for name in _FASTER_HOOKS:
+            hook = registry.get_hook(name)
+            if hook is None or type(hook) in _PER_BRANCH.values():
+                continue
+            cls = type(hook)
+            if cls not in _PER_BRANCH:
+                _PER_BRANCH[cls] = type(
+                    f"PerBranch{cls.__name__}",
+                    (cls,),
+                    {"state": property(_branch_state), "reset_state": _reset_branch_states},
+                )
+            hook._liteboost_state_cls = type(hook.__dict__.pop("state"))
+            hook.state_manager = StateManager(_ContextOnly)
+            hook.__class__ = _PER_BRANCH[cls]
+    HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
+
+
 @dataclass
 class CacheHandle:
     """Undoes :func:`apply_cache`."""
@@ -172,7 +257,18 @@ def apply_cache(model: torch.nn.Module, config: object) -> CacheHandle:
     if not hasattr(model, "enable_cache"):
         raise TypeError(f"{type(model).__name__} has no diffusers cache support (enable_cache)")
     check_composes(model, config)
+    faster = type(config).__name__ == "FasterCacheConfig"
+    if faster and not getattr(config, "is_guidance_distilled", False):
+        raise ValueError(
+            "FasterCacheConfig(is_guidance_distilled=False): its unconditional-branch shortcut "
+            "needs one call holding both CFG branches, but diffusers' Wan pipelines call the "
+            "transformer once per branch (batch 1; diffusers' hook fails there), and under CFG "
+            "parallel the unconditional branch already runs alongside the conditional one; use "
+            "is_guidance_distilled=True (per-branch attention reuse) or cache='faster'"
+        )
     model.enable_cache(config)
+    if faster:
+        _faster_cache_per_branch(model)
     if type(config).__name__ == "FirstBlockCacheConfig":
         from diffusers.hooks import HookRegistry
 
