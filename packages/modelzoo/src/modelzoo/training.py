@@ -49,7 +49,7 @@ def _require_hyperparallel() -> None:
 
 def write_tiny_config(card: ModelCard, folder: Path) -> Path:
     """The card's architecture with its tiny overrides as ``folder/config.json``; returns it."""
-    cls = model_class(card)
+    cls: Any = model_class(card)  # a transformers *ForCausalLM (check_trainable)
     config = cls.config_class(**tiny_overrides(card))
     config.architectures = [card.architecture]
     folder.mkdir(parents=True, exist_ok=True)
