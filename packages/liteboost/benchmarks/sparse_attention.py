@@ -51,13 +51,32 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
+def attention_case(grid, heads: int, dim: int):
+    """The shared setup of this script and ``sparsity_zero.py``: seeded fp32 q, k, v
+    [1, heads, prod(grid), dim] and the dense SDPA call every variant is compared with."""
     seq = grid[0] * grid[1] * grid[2]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, seq, dim, generator=gen) for _ in range(3))
 
     def dense():
         return F.scaled_dot_product_attention(q, k, v)
+
+    return q, k, v, dense
+
+
+def interleaved_rounds(jobs: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of every job, ``rounds`` rounds, the order rotating each round."""
+    samples: dict[str, list[float]] = {name: [] for name in jobs}
+    names = list(jobs)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(_time(jobs[name]))
+    return samples
+
+
+def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
+    seq = grid[0] * grid[1] * grid[2]
+    q, k, v, dense = attention_case(grid, heads, dim)
 
     def full(s):
         return lambda: sparse_attention(q, k, v, latent_shape=grid, sparsity=s, block_size=BLOCK)
@@ -96,12 +115,7 @@ def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
         jobs[f"plan{s}"] = planning(s)
     for fn in jobs.values():  # warm-up
         fn()
-    samples: dict[str, list[float]] = {name: [] for name in jobs}
-    names = list(jobs)
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            samples[name].append(_time(jobs[name]))
+    samples = interleaved_rounds(jobs, rounds)
     dense_t = Timing(samples["dense"])
     table.add(
         S=seq,

@@ -12,10 +12,9 @@ to the dense chain; this script times the path it avoids.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-import torch.nn.functional as F
+from sparse_attention import attention_case, interleaved_rounds  # the sibling benchmark
 
 from liteboost.ops.fused_cpu import load_cpu_kernel
 from liteboost.ops.rain_fusion import rain_fusion_attention
@@ -29,19 +28,9 @@ BLOCK = 128
 KERNELS = ("cpu", "gather")
 
 
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
     seq = grid[0] * grid[1] * grid[2]
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq, dim, generator=gen) for _ in range(3))
-
-    def dense():
-        return F.scaled_dot_product_attention(q, k, v)
+    q, k, v, dense = attention_case(grid, heads, dim)
 
     def reordered(kernel):
         def call():
@@ -57,11 +46,7 @@ def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
     jobs = {"dense": dense, **{k_: reordered(k_) for k_ in KERNELS}}
     reference = dense()
     diffs = {k_: (jobs[k_]() - reference).abs().max().item() for k_ in KERNELS}  # warm-up too
-    samples: dict[str, list[float]] = {name: [] for name in jobs}
-    names = list(jobs)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            samples[name].append(_time(jobs[name]))
+    samples = interleaved_rounds(jobs, rounds)
     dense_t = Timing(samples["dense"])
     for kernel in KERNELS:
         t = Timing(samples[kernel])
