@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -60,6 +61,8 @@ def test_bad_counts_name_the_argument(func):
         func(lambda: None, repeats=0)
     with pytest.raises(ValueError, match=r"warmup must be >= 0, got -1"):
         func(lambda: None, warmup=-1)
+    with pytest.raises(ValueError, match=r"calls must be >= 1, got 0"):
+        func(lambda: None, calls=0)
 
 
 def test_compare_interleaves_and_reports_speedup():
@@ -80,6 +83,77 @@ def test_compare_interleaves_and_reports_speedup():
     assert 1.5 < result.speedup < 4.0
     assert 1.5 < result.ratio_median < 4.0
     assert result.to_dict()["speedup"] == result.speedup
+
+
+class _FakeClock:
+    """perf_counter for npu_core.bench that only the timed functions advance: exact timings."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: dict[str, int] = {}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def fn(self, name: str, seconds: float):
+        def call() -> None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.now += seconds
+
+        return call
+
+
+def test_batched_samples_are_per_call_and_warmups_are_batches(monkeypatch):
+    """calls=5: every sample is 5 back-to-back calls, recorded as the time of one."""
+    clock = _FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    timing = bench.measure(clock.fn("A", 0.002), warmup=2, repeats=3, calls=5, sync=lambda: None)
+    assert clock.calls == {"A": (2 + 3) * 5}
+    assert timing.samples == pytest.approx((0.002,) * 3)
+    syncs: list[int] = []
+    result = bench.compare(
+        clock.fn("B", 0.004), clock.fn("C", 0.001), warmup=1, repeats=4, calls=3,
+        sync=lambda: syncs.append(1),
+    )  # fmt: skip
+    assert clock.calls["B"] == clock.calls["C"] == (1 + 4) * 3
+    assert result.baseline.samples == pytest.approx((0.004,) * 4)
+    assert result.candidate.samples == pytest.approx((0.001,) * 4)
+    assert result.ratios == pytest.approx((4.0,) * 4)
+    assert len(syncs) == 1 + 4 * 2 * 2  # after warm-up, then around every timed sample
+
+
+def test_compare_can_pause_the_collector_and_restores_it():
+    """pause_gc: no collection while timing; the collector is on again afterwards (and stays
+    off when it was off before)."""
+    seen: list[bool] = []
+
+    def probe() -> None:
+        seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    bench.compare(probe, probe, warmup=1, repeats=2, sync=lambda: None, pause_gc=True)
+    assert seen and not any(seen) and gc.isenabled()
+    seen.clear()
+    bench.compare(probe, probe, warmup=1, repeats=2, sync=lambda: None)
+    assert all(seen)
+    gc.disable()
+    try:
+        bench.compare(probe, probe, repeats=1, sync=lambda: None, pause_gc=True)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_calls_per_sample_fills_the_sample_time(monkeypatch):
+    """A 2 ms call fills a 20 ms sample 10 times; a call longer than the sample still gets one."""
+    clock = _FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    assert bench.calls_per_sample(clock.fn("A", 0.002), 20.0, sync=lambda: None) == 10
+    assert clock.calls["A"] == 2 + 5  # warm-up, then the probe's samples
+    assert bench.calls_per_sample(clock.fn("B", 0.003), 1.0, sync=lambda: None) == 1
+    assert bench.calls_per_sample(clock.fn("C", 0.0), 1.0, sync=lambda: None) == 10**6
+    with pytest.raises(ValueError, match=r"sample_ms must be a positive number .* got 0"):
+        bench.calls_per_sample(lambda: None, 0)
 
 
 def test_markdown_formats_header_rows_and_numbers():

@@ -8,14 +8,16 @@ software and hardware but never the machine (no hostnames, no paths).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,20 +132,42 @@ def default_sync() -> Callable[[], None]:
     return sync
 
 
-def _check_counts(warmup: int, repeats: int) -> None:
+def _check_counts(warmup: int, repeats: int, calls: int = 1) -> None:
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
 
 
-def _time_call(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+def _run(fn: Callable[[], object], calls: int) -> None:
+    for _ in range(calls):
+        fn()
+
+
+def _time_call(fn: Callable[[], object], sync: Callable[[], None], calls: int = 1) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn``."""
     # Sync first too, so work queued before this call is not billed to it.
     sync()
     start = time.perf_counter()
-    fn()
+    _run(fn, calls)
     sync()
-    return time.perf_counter() - start
+    return (time.perf_counter() - start) / calls
+
+
+@contextlib.contextmanager
+def _collector_paused(pause: bool) -> Iterator[None]:
+    """Collect once, then keep the cyclic garbage collector off (and restore its state)."""
+    was_enabled = gc.isenabled()
+    if pause:
+        gc.collect()
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause and was_enabled:
+            gc.enable()
 
 
 def measure(
@@ -152,17 +176,21 @@ def measure(
     warmup: int = 2,
     repeats: int = 10,
     sync: Callable[[], None] | None = None,
+    calls: int = 1,
 ) -> Timing:
-    """Time ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (caches, compilation).
+    """Time ``repeats`` samples of ``fn`` after ``warmup`` untimed ones (caches, compilation).
 
     ``sync`` runs before each clock read; by default it synchronises the detected accelerator.
+    Each sample times ``calls`` back-to-back calls and records the time per call: a function of
+    a few milliseconds timed once per sample is at the mercy of every scheduler tick
+    (:func:`calls_per_sample` sizes the batch). Warm-up samples are batches too.
     """
-    _check_counts(warmup, repeats)
+    _check_counts(warmup, repeats, calls)
     sync = sync if sync is not None else default_sync()
     for _ in range(warmup):
-        fn()
+        _run(fn, calls)
     sync()
-    return Timing(tuple(_time_call(fn, sync) for _ in range(repeats)))
+    return Timing(tuple(_time_call(fn, sync, calls) for _ in range(repeats)))
 
 
 def compare(
@@ -172,29 +200,54 @@ def compare(
     warmup: int = 2,
     repeats: int = 10,
     sync: Callable[[], None] | None = None,
+    calls: int = 1,
+    pause_gc: bool = False,
 ) -> Comparison:
     """Time ``baseline`` against ``candidate`` in ``repeats`` interleaved rounds.
 
     Rounds alternate the order (A B, B A, ...) so clock-frequency drift, thermal throttling and
     cache state affect both sides equally instead of biasing whichever always runs second.
+    ``calls`` batches each sample as in :func:`measure` (times are per call); ``pause_gc``
+    collects once and keeps the garbage collector off for the whole comparison, so a
+    collection triggered by one side's allocations is not billed to whichever runs next.
     """
-    _check_counts(warmup, repeats)
+    _check_counts(warmup, repeats, calls)
     sync = sync if sync is not None else default_sync()
-    for _ in range(warmup):
-        baseline()
-        candidate()
-    sync()
-    base_samples: list[float] = []
-    cand_samples: list[float] = []
-    for round_index in range(repeats):
-        if round_index % 2 == 0:
-            base_samples.append(_time_call(baseline, sync))
-            cand_samples.append(_time_call(candidate, sync))
-        else:
-            cand_samples.append(_time_call(candidate, sync))
-            base_samples.append(_time_call(baseline, sync))
+    with _collector_paused(pause_gc):
+        for _ in range(warmup):
+            _run(baseline, calls)
+            _run(candidate, calls)
+        sync()
+        base_samples: list[float] = []
+        cand_samples: list[float] = []
+        for round_index in range(repeats):
+            if round_index % 2 == 0:
+                base_samples.append(_time_call(baseline, sync, calls))
+                cand_samples.append(_time_call(candidate, sync, calls))
+            else:
+                cand_samples.append(_time_call(candidate, sync, calls))
+                base_samples.append(_time_call(baseline, sync, calls))
     ratios = tuple(_ratio(b, c) for b, c in zip(base_samples, cand_samples, strict=True))
     return Comparison(Timing(tuple(base_samples)), Timing(tuple(cand_samples)), ratios)
+
+
+def calls_per_sample(
+    fn: Callable[[], object],
+    sample_ms: float,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    sync: Callable[[], None] | None = None,
+) -> int:
+    """How many calls of ``fn`` fill about ``sample_ms`` milliseconds (the ``calls`` to use).
+
+    Measured: the median of ``repeats`` single calls after ``warmup``; at least 1.
+    """
+    if not sample_ms > 0:
+        raise ValueError(f"sample_ms must be a positive number of milliseconds, got {sample_ms}")
+    probe = measure(fn, warmup=warmup, repeats=repeats, sync=sync)
+    # a call faster than the clock's resolution reads 0 s: then as many as a nanosecond allows
+    return max(1, round(sample_ms * 1e-3 / max(probe.median, 1e-9)))
 
 
 def environment_info() -> dict[str, Any]:
