@@ -22,7 +22,6 @@ profile next to npu_core's environment block, so a table says which machine it c
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import sys
@@ -41,7 +40,7 @@ from zoo.vision import DCGANGenerator, ResNet18
 
 import mfusion
 from mfusion.machine import MachineProfile
-from npu_core.bench import BenchTable, Timing, compare, measure
+from npu_core.bench import BenchTable, Timing, calls_per_sample, compare, measure
 
 Factory = Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
 
@@ -69,35 +68,6 @@ def _accurate(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
     """Max abs error within ``tol`` of the reference's scale (fp32 everywhere)."""
     scale = max(ref.abs().max().item(), 1.0)
     return bool(torch.isfinite(out).all()) and (out - ref).abs().max().item() <= tol * scale
-
-
-def _batched(fn: Callable[[], object], calls: int) -> Callable[[], None]:
-    def run() -> None:
-        for _ in range(calls):
-            fn()
-
-    return run
-
-
-def _calls_per_sample(fn: Callable[[], object], sample_ms: float) -> int:
-    """How many calls of ``fn`` fill about ``sample_ms`` (after a short warm-up)."""
-    probe = measure(fn, warmup=3, repeats=5)
-    return max(1, round(sample_ms * 1e-3 / probe.median))
-
-
-def _compare(baseline, candidate, calls: int, args: argparse.Namespace):
-    """Interleaved rounds of batched calls with the collector paused; see the module docstring."""
-    gc.collect()
-    gc.disable()
-    try:
-        return compare(
-            _batched(baseline, calls),
-            _batched(candidate, calls),
-            warmup=args.warmup,
-            repeats=args.repeats,
-        )
-    finally:
-        gc.enable()
 
 
 def _compile(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
@@ -128,10 +98,11 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         mfusion.clear_report()
         out_fused, compile_fused = _compile(lambda: fused(*inputs))
         report = mfusion.report()
-        calls = _calls_per_sample(lambda: plain(*inputs), args.sample_ms)
-        eager = measure(_batched(lambda: model(*inputs), calls), warmup=1, repeats=args.repeats)
-        a_a = _compare(lambda: plain(*inputs), lambda: control(*inputs), calls, args)
-        comparison = _compare(lambda: plain(*inputs), lambda: fused(*inputs), calls, args)
+        calls = calls_per_sample(lambda: plain(*inputs), args.sample_ms, warmup=3)
+        eager = measure(lambda: model(*inputs), calls=calls, warmup=1, repeats=args.repeats)
+        timed = {"calls": calls, "pause_gc": True, "warmup": args.warmup, "repeats": args.repeats}
+        a_a = compare(lambda: plain(*inputs), lambda: control(*inputs), **timed)
+        comparison = compare(lambda: plain(*inputs), lambda: fused(*inputs), **timed)
     ratios = Timing(comparison.ratios)  # order statistics of the per-round ratios
     accurate = _accurate(out_plain, reference, args.tol) and _accurate(
         out_fused, reference, args.tol
@@ -139,9 +110,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
     return {
         "model": name,
         "transformer": is_transformer,
-        "eager ms": eager.median / calls * 1e3,
-        "inductor ms": comparison.baseline.median / calls * 1e3,
-        "mfusion ms": comparison.candidate.median / calls * 1e3,
+        "eager ms": eager.median * 1e3,
+        "inductor ms": comparison.baseline.median * 1e3,
+        "mfusion ms": comparison.candidate.median * 1e3,
         "inductor speedup": eager.median / comparison.baseline.median,
         "mfusion speedup": eager.median / comparison.candidate.median,
         # Median of per-round ratios: both sides of a round share the machine's load, so this

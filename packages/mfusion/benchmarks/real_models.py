@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import math
 import os
 import sys
@@ -45,7 +44,7 @@ from zoo.library import MODELS, TrainStep
 
 import mfusion
 from mfusion.machine import MachineProfile
-from npu_core.bench import BenchTable, Timing, compare, measure
+from npu_core.bench import BenchTable, Timing, calls_per_sample, compare, measure
 
 MODES = ("infer-fp32", "infer-bf16", "train-fp32", "train-bf16")
 OWN_LOSS = {"llama", "qwen3", "mistral"}
@@ -65,28 +64,6 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not bool(torch.isfinite(out).all()):
         return math.inf
     return (out - ref).abs().max().item()
-
-
-def _batched(fn: Callable[[], object], calls: int) -> Callable[[], None]:
-    def run() -> None:
-        for _ in range(calls):
-            fn()
-
-    return run
-
-
-def _compare(baseline, candidate, calls: int, args: argparse.Namespace):
-    gc.collect()
-    gc.disable()
-    try:
-        return compare(
-            _batched(baseline, calls),
-            _batched(candidate, calls),
-            warmup=args.warmup,
-            repeats=args.repeats,
-        )
-    finally:
-        gc.enable()
 
 
 class Runner:
@@ -152,22 +129,22 @@ def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, objec
     compile_fused = time.perf_counter() - start
     report = mfusion.report()
 
-    probe = measure(lambda: runner.run(plain), warmup=2, repeats=5)
-    calls = max(1, round(args.sample_ms * 1e-3 / probe.median))
+    calls = calls_per_sample(lambda: runner.run(plain), args.sample_ms)
     eager = measure(
-        _batched(lambda: runner.run(runner.module), calls), warmup=1, repeats=args.eager_repeats
+        lambda: runner.run(runner.module), calls=calls, warmup=1, repeats=args.eager_repeats
     )
-    a_a = _compare(lambda: runner.run(plain), lambda: runner.run(control), calls, args)
-    comparison = _compare(lambda: runner.run(plain), lambda: runner.run(fused), calls, args)
+    timed = {"calls": calls, "pause_gc": True, "warmup": args.warmup, "repeats": args.repeats}
+    a_a = compare(lambda: runner.run(plain), lambda: runner.run(control), **timed)
+    comparison = compare(lambda: runner.run(plain), lambda: runner.run(fused), **timed)
     ratios = Timing(comparison.ratios)
     errors = (_error(out_plain, reference), _error(out_fused, reference))
     return {
         "model": name,
         "mode": mode,
         "kind": MODELS[name].kind,
-        "eager ms": eager.median / calls * 1e3,
-        "inductor ms": comparison.baseline.median / calls * 1e3,
-        "mfusion ms": comparison.candidate.median / calls * 1e3,
+        "eager ms": eager.median * 1e3,
+        "inductor ms": comparison.baseline.median * 1e3,
+        "mfusion ms": comparison.candidate.median * 1e3,
         "inductor speedup": eager.median / comparison.baseline.median,
         "mfusion / inductor": comparison.ratio_median,
         "ratio p25-p75": f"{ratios.p25:.3f}-{ratios.p75:.3f}",

@@ -6,7 +6,7 @@ import contextlib
 import math
 import operator
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import fx
@@ -32,7 +32,7 @@ VIEW_OPS = frozenset(
 )
 
 
-def is_op(node: object, *targets: object) -> bool:
+def is_op(node: object, *targets: object) -> TypeGuard[fx.Node]:
     """True if ``node`` is a call of one of ``targets`` (op overloads)."""
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
