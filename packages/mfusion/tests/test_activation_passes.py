@@ -106,6 +106,24 @@ def test_swiglu_rewrites_exp_form(harness, dtype):
     torch.testing.assert_close(gm(*args), swiglu_exp(*args), **harness.tolerance(dtype))
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a, b: a / (1.0 + torch.exp(-a)) * b,
+        lambda a, b: a / (torch.exp(-a) + 1.0) * b,
+    ],
+    ids=["1.0 + exp", "exp + 1.0"],
+)
+def test_swiglu_exp_form_with_a_float_one(harness, fn):
+    """The one traced as 1.0 (either side of the add) is the same silu (it was missed)."""
+    args = _randn(torch.float32, (6, 32), (6, 32))
+    gm = harness.trace(fn, *args)
+    record = harness.apply(gm, "swiglu")
+    assert record.rewritten("swiglu") == 1
+    assert harness.count(gm, aten.exp.default) == 0 and harness.count(gm, aten.div.Tensor) == 0
+    torch.testing.assert_close(gm(*args), fn(*args))
+
+
 def test_swiglu_refuses_broadcast_up(harness):
     a, b = _randn(torch.float32, (6, 32), (32,))
     gm = harness.trace(lambda a, b: a * torch.sigmoid(a) * b, a, b)

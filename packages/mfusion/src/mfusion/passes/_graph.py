@@ -37,6 +37,11 @@ def is_op(node: object, *targets: object) -> TypeGuard[fx.Node]:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def as_node(value: object) -> fx.Node | None:
+    """``value`` when it is a graph node (an op argument may also be a number, dtype, list...)."""
+    return value if isinstance(value, fx.Node) else None
+
+
 def val(node: object) -> Any:
     """The fake tensor (or SymInt) recorded for ``node``; None when unknown."""
     return node.meta.get("val") if isinstance(node, fx.Node) else None
@@ -57,7 +62,7 @@ def ndim_of(node: object) -> int | None:
     return value.dim() if value is not None else None
 
 
-def is_float_scalar(value: object) -> bool:
+def is_float_scalar(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -82,9 +87,9 @@ def is_last_dim_reduction(dims: object, ndim: int | None) -> bool:
 def square_base(node: object) -> fx.Node | None:
     """``x`` for ``pow(x, 2)`` or ``mul(x, x)``; None otherwise."""
     if is_op(node, aten.pow.Tensor_Scalar) and node.args[1] == 2:
-        return node.args[0]
+        return as_node(node.args[0])
     if is_op(node, aten.mul.Tensor) and node.args[0] is node.args[1]:
-        return node.args[0]
+        return as_node(node.args[0])
     return None
 
 
@@ -112,7 +117,8 @@ def fake_mode_of(graph: fx.Graph) -> FakeTensorMode | None:
     return None
 
 
-def _fake_args(args: object) -> object:
+def _fake_args(args: Any) -> Any:
+    """``args`` (any nesting of an op's arguments) with each node replaced by its fake value."""
     return fx.node.map_arg(args, lambda n: n.meta["val"])
 
 
@@ -169,10 +175,14 @@ def cast_target(node: object) -> torch.dtype | None:
     """The dtype a pure dtype cast converts to (post-grad ``convert_element_type`` or traced
     ``_to_copy(dtype=...)``); None when ``node`` is not such a cast."""
     if is_op(node, CONVERT):
-        return node.args[1]
+        return _as_dtype(node.args[1])
     if is_op(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype", "layout", "device"}:
         source = tensor_val(node.args[0])
         out = tensor_val(node)
         if source is not None and out is not None and source.device == out.device:
-            return node.kwargs.get("dtype")
+            return _as_dtype(node.kwargs.get("dtype"))
     return None
+
+
+def _as_dtype(value: object) -> torch.dtype | None:
+    return value if isinstance(value, torch.dtype) else None

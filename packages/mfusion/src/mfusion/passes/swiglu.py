@@ -13,8 +13,10 @@ from torch import fx
 from mfusion.config import MFusionConfig
 from mfusion.passes._graph import (
     FLOAT_DTYPES,
+    as_node,
     aten,
     emit,
+    is_float_scalar,
     is_op,
     other_operand,
     replace,
@@ -28,21 +30,36 @@ def silu_input(node: object) -> fx.Node | None:
     if is_op(node, aten.mul.Tensor):
         sig = next((s for s in node.args[:2] if is_op(s, aten.sigmoid.default)), None)
         if sig is not None and other_operand(node, sig) is sig.args[0]:
-            return sig.args[0]
+            return as_node(sig.args[0])
     if is_op(node, aten.div.Tensor):
         a, denom = node.args[:2]
-        if is_op(denom, aten.add.Tensor) and 1 in denom.args[:2]:
-            exp = other_operand(denom, 1)
+        if is_op(denom, aten.add.Tensor):
+            # the other operand of `1 + exp(-a)`; the one may be traced as 1 or 1.0
+            left, right = denom.args[:2]
+            exp = right if _is_one(left) else left if _is_one(right) else None
             neg = exp.args[0] if is_op(exp, aten.exp.default) else None
             if is_op(neg, aten.neg.default) and neg.args[0] is a:
-                return a
+                return as_node(a)
     return None
+
+
+def _is_one(value: object) -> bool:
+    return is_float_scalar(value) and value == 1
 
 
 def _producer(node: fx.Node) -> str:
     if is_op(node, aten.mm.default, aten.addmm.default, aten.bmm.default):
         return str(node.target).split(".")[1]
     return node.op
+
+
+def _gate_and_up(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(gate, up)`` of ``mul(silu(gate), up)`` with the operands in either order."""
+    for act, up in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        gate = silu_input(act) if isinstance(up, fx.Node) else None
+        if gate is not None and isinstance(up, fx.Node) and gate is not up:
+            return gate, up
+    return None
 
 
 class SwiGLUPass(MFusionPass):
@@ -53,12 +70,10 @@ class SwiGLUPass(MFusionPass):
     def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.mul.Tensor):
             return None
-        for act, up in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            gate = silu_input(act) if isinstance(up, fx.Node) else None
-            if gate is not None and gate is not up:
-                break
-        else:
+        match = _gate_and_up(node)
+        if match is None:
             return None
+        gate, up = match
         vg, vu = tensor_val(gate), tensor_val(up)
         if vg is None or vu is None:
             return None
