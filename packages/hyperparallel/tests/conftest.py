@@ -6,6 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 
 @pytest.fixture
@@ -49,3 +51,70 @@ def tiny_hf_shape() -> dict[str, int]:
     """A transformers config shape small enough for a CPU test step (a fresh copy per test):
     each family test adds its own MoE / MLA fields on top."""
     return dict(TINY_HF_SHAPE)
+
+
+class MixedShapes(nn.Module):
+    """Mixed shapes for distributed Muon: uneven rows (5 and 3 on 4 ranks leave empty shards),
+    experts ``[4, 6, 5]``, a conv weight. Module-level so that ranks unpickle it by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 16, bias=False)
+        self.b = nn.Linear(16, 5, bias=False)
+        self.c = nn.Linear(5, 3, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, 5))
+        self.conv = nn.Conv2d(2, 6, 3, bias=False)
+
+    def random_grads(self, step: int) -> list[torch.Tensor]:
+        """Gradients for ``step``, the same on every rank (seeded by the step alone)."""
+        generator = torch.Generator().manual_seed(100 + step)
+        return [torch.randn(p.shape, generator=generator) for p in self.parameters()]
+
+
+@pytest.fixture
+def mixed_shapes() -> type[MixedShapes]:
+    """The :class:`MixedShapes` model class; pass it to the rank functions (launch arguments)."""
+    return MixedShapes
+
+
+class ProcessTree:
+    """Live processes below a pid, read from Linux ``/proc`` (no psutil), to show that a failed or
+    signalled run leaves no rank, forkserver or helper process behind."""
+
+    @staticmethod
+    def children() -> dict[int, list[int]]:
+        """Parent pid -> its children's pids, over every process now in ``/proc``."""
+        found: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            found.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        return found
+
+    def descendants(self, pid: int) -> set[int]:
+        """Every process below ``pid``."""
+        children, found, todo = self.children(), set(), [pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                found.add(child)
+                todo.append(child)
+        return found
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """Running or sleeping (a zombie awaiting its parent counts as gone)."""
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
+
+@pytest.fixture
+def process_tree() -> ProcessTree:
+    """:class:`ProcessTree`; tests using it skip where there is no ``/proc``."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("counts processes via /proc")
+    return ProcessTree()

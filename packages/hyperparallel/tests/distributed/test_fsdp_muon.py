@@ -1,4 +1,5 @@
-"""Muon on FSDP2 / HSDP parameters equals single-process Muon on the same model."""
+"""Muon on FSDP2 / HSDP parameters equals single-process Muon on the same model (conftest's
+``mixed_shapes``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from hyperparallel.models.parallelize import build_mesh
@@ -17,42 +17,25 @@ from npu_core.dist import launch
 pytestmark = pytest.mark.distributed
 
 
-class Mixed(nn.Module):
-    """Mixed shapes: uneven rows (5 and 3 on 4 ranks leave empty shards), experts, a conv."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(12, 16, bias=False)
-        self.b = nn.Linear(16, 5, bias=False)
-        self.c = nn.Linear(5, 3, bias=False)
-        self.experts = nn.Parameter(torch.randn(4, 6, 5))
-        self.conv = nn.Conv2d(2, 6, 3, bias=False)
-
-
-def _grads(model: nn.Module, step: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(p.shape, generator=generator) for p in model.parameters()]
-
-
-def _reference(steps: int) -> list[torch.Tensor]:
+def _reference(mixed, steps: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = Mixed()
+    model = mixed()
     opt = Muon(model.parameters(), lr=0.05, ns_dtype="bf16")
     for step in range(steps):
-        for p, g in zip(model.parameters(), _grads(model, step), strict=True):
+        for p, g in zip(model.parameters(), model.random_grads(step), strict=True):
             p.grad = g
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _sharded(mesh_shape: tuple[int, ...], steps: int) -> list[list[float]]:
+def _sharded(mixed, mesh_shape: tuple[int, ...], steps: int) -> list[list[float]]:
     torch.manual_seed(0)
-    model = Mixed()
+    model = mixed()
     full = copy.deepcopy(model)
     fully_shard(model, mesh=build_mesh(mesh_shape, "cpu"))
     opt = Muon(model.parameters(), lr=0.05, ns_dtype="bf16")
     for step in range(steps):
-        for p, g in zip(model.parameters(), _grads(full, step), strict=True):
+        for p, g in zip(model.parameters(), full.random_grads(step), strict=True):
             p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
         opt.step()
     dist.barrier()
@@ -60,22 +43,22 @@ def _sharded(mesh_shape: tuple[int, ...], steps: int) -> list[list[float]]:
 
 
 @pytest.mark.parametrize(("world", "mesh_shape"), [(2, (2,)), (4, (4,)), (4, (2, 2))])
-def test_fsdp_and_hsdp_updates_equal_single_process(world, mesh_shape):
+def test_fsdp_and_hsdp_updates_equal_single_process(world, mesh_shape, mixed_shapes):
     """Three steps on FSDP world 2 and 4 and HSDP 2x2 match the single-process reference."""
-    expected = _reference(3)
-    for rank_result in launch(_sharded, world, mesh_shape, 3, timeout=180):
+    expected = _reference(mixed_shapes, 3)
+    for rank_result in launch(_sharded, world, mixed_shapes, mesh_shape, 3, timeout=180):
         for got, want in zip(rank_result, expected, strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
 
-def _nan_on_one_rank() -> tuple[bool, bool, int]:
+def _nan_on_one_rank(mixed) -> tuple[bool, bool, int]:
     torch.manual_seed(0)
-    model = Mixed()
+    model = mixed()
     fully_shard(model, mesh=build_mesh((2,), "cpu"))
     params = list(model.parameters())
     before = [p.full_tensor().clone() for p in params]
     opt = Muon(params, lr=0.05)
-    for p, g in zip(params, _grads(Mixed(), 0), strict=True):
+    for p, g in zip(params, mixed().random_grads(0), strict=True):
         p.grad = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
     if dist.get_rank() == 1:
         params[0].grad.to_local()[0, 0] = float("nan")  # only rank 1's shard is poisoned
@@ -89,6 +72,7 @@ def _nan_on_one_rank() -> tuple[bool, bool, int]:
     )
 
 
-def test_nan_in_one_shard_skips_that_parameter_on_every_rank():
+def test_nan_in_one_shard_skips_that_parameter_on_every_rank(mixed_shapes):
     """A NaN in one rank's shard skips the parameter everywhere; the others still update."""
-    assert launch(_nan_on_one_rank, 2, timeout=120) == [(True, True, 1), (True, True, 1)]
+    results = launch(_nan_on_one_rank, 2, mixed_shapes, timeout=120)
+    assert results == [(True, True, 1), (True, True, 1)]

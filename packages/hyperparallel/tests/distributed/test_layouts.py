@@ -27,11 +27,11 @@ BASE = ["model.n_layers=4", "data.global_batch_size=8", "optim.ns_dtype='fp32'",
 STEPS = 20
 
 
-def _run(out, mesh: str, *overrides: str, resume: bool = False):
+def _run(out, mesh: str, *overrides: str, resume: bool = False, nproc: int = 4):
     cfg = load_config(
         debug(), overrides=[f"out_dir={str(out)!r}", f"parallel.mesh={mesh!r}", *BASE, *overrides]
     )
-    return launch(train_rank, 4, cfg, resume, backend=None, timeout=600)[0]
+    return launch(train_rank, nproc, cfg, resume, backend=None, timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,20 @@ def test_layout_losses_track_fsdp(fsdp_run, tmp_path, mesh, schedule):
     assert losses[0] == pytest.approx(reference[0], abs=1e-4)
     worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
     assert worst < 1e-3, f"{mesh} {schedule}: largest gap to FSDP over {STEPS} steps {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_eight_rank_layout_losses_track_fsdp(fsdp_run, tmp_path):
+    """8 ranks, ``pp=2,ep=2,dp_shard=2`` (1f1b, 2 micro-batches of the 2 samples per
+    data-parallel rank): the first loss equals the 4-rank FSDP run's within 1e-4, 20 steps
+    within 1e-3 (same global batch of 8, so the same samples)."""
+    _, reference = fsdp_run
+    losses = _run(
+        tmp_path, "pp=2,ep=2,dp_shard=2", f"steps={STEPS}", "parallel.microbatches=2", nproc=8
+    ).train_losses
+    assert losses[0] == pytest.approx(reference[0], abs=1e-4)
+    worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
+    assert worst < 1e-3, f"largest gap to FSDP over {STEPS} steps {worst:.2e}"
 
 
 @pytest.mark.parametrize(

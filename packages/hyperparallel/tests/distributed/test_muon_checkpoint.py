@@ -1,4 +1,6 @@
-"""Muon state through torch.distributed.checkpoint: same world size bit-exact, smaller correct."""
+"""Muon state through torch.distributed.checkpoint: same world size bit-exact, smaller correct.
+
+The model is conftest's ``mixed_shapes`` (the one test_fsdp_muon uses)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -23,38 +24,21 @@ from npu_core.dist import launch
 pytestmark = pytest.mark.distributed
 
 
-class Mixed(nn.Module):
-    """Mixed shapes: uneven rows (5 and 3 on 4 ranks leave empty shards), experts, a conv."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(12, 16, bias=False)
-        self.b = nn.Linear(16, 5, bias=False)
-        self.c = nn.Linear(5, 3, bias=False)
-        self.experts = nn.Parameter(torch.randn(4, 6, 5))
-        self.conv = nn.Conv2d(2, 6, 3, bias=False)
-
-
-def _grads(model: nn.Module, step: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(p.shape, generator=generator) for p in model.parameters()]
-
-
-def _setup(seed: int):
+def _setup(mixed, seed: int):
     torch.manual_seed(seed)
-    model = Mixed()
+    model = mixed()
     fully_shard(model, mesh=build_mesh((dist.get_world_size(),), "cpu"))
     return model, Muon(model.parameters(), lr=0.05)
 
 
 def _step(model, opt, step: int) -> None:
-    for p, g in zip(model.parameters(), _grads(Mixed(), step), strict=True):
+    for p, g in zip(model.parameters(), model.random_grads(step), strict=True):
         p.grad = distribute_tensor(g, p.device_mesh, p.placements)
     opt.step()
 
 
-def _train_save_continue(path: str) -> list[list[float]]:
-    model, opt = _setup(seed=0)
+def _train_save_continue(mixed, path: str) -> list[list[float]]:
+    model, opt = _setup(mixed, seed=0)
     for step in range(2):
         _step(model, opt, step)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -63,8 +47,9 @@ def _train_save_continue(path: str) -> list[list[float]]:
     return [p.full_tensor().tolist() for p in model.parameters()]
 
 
-def _load_continue(path: str) -> list[list[float]]:
-    model, opt = _setup(seed=123)  # different weights: everything must come from the checkpoint
+def _load_continue(mixed, path: str) -> list[list[float]]:
+    # Different weights: everything must come from the checkpoint.
+    model, opt = _setup(mixed, seed=123)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
@@ -73,12 +58,12 @@ def _load_continue(path: str) -> list[list[float]]:
     return [p.full_tensor().tolist() for p in model.parameters()]
 
 
-def test_resume_same_world_bit_exact_and_smaller_world_correct(tmp_path):
+def test_resume_same_world_bit_exact_and_smaller_world_correct(tmp_path, mixed_shapes):
     """Saved at world 4: resuming at 4 repeats the next step exactly; at 2 within fp32 noise."""
     path = str(tmp_path / "ckpt")
-    expected = launch(_train_save_continue, 4, path, timeout=180)[0]
-    same = launch(_load_continue, 4, path, timeout=180)[0]
+    expected = launch(_train_save_continue, 4, mixed_shapes, path, timeout=180)[0]
+    same = launch(_load_continue, 4, mixed_shapes, path, timeout=180)[0]
     assert same == expected
-    smaller = launch(_load_continue, 2, path, timeout=180)[0]
+    smaller = launch(_load_continue, 2, mixed_shapes, path, timeout=180)[0]
     for got, want in zip(smaller, expected, strict=True):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

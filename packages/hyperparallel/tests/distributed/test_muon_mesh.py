@@ -32,6 +32,13 @@ LAYOUTS = {
     ),
     "ep": ((2, 2), ("ep", "dp_shard"), [Replicate(), Shard(0)], [Shard(0), Shard(0)]),
     "ep_replicated": ((2, 2), ("ep", "dp_shard"), [Replicate(), Shard(0)], [Shard(0), Replicate()]),
+    # The train job's dp_replicate=2,ep=2: experts sharded over ep, replicated over dp_replicate.
+    "hsdp_ep": (
+        (2, 2),
+        ("dp_replicate", "ep"),
+        [Replicate(), Shard(0)],
+        [Replicate(), Shard(0)],
+    ),
 }
 
 
@@ -102,8 +109,9 @@ def _run(layout: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_matrix_orthogonalised_once_per_job_on_every_layout(layout):
-    """FSDP 4, HSDP 2x2, ep=2 x dp_shard=2: every dense and expert matrix NS'd once in the job,
-    results equal to torch's NS on the whole matrices; EP-sharded experts need no collective."""
+    """FSDP 4, HSDP 2x2, ep=2 x dp_shard=2 (experts sharded or replicated over dp_shard) and
+    dp_replicate=2 x ep=2: every dense and expert matrix NS'd once in the job, results equal to
+    torch's NS on the whole matrices; EP-sharded experts need no collective."""
     results = launch(_run, 4, layout, timeout=180)
     expected = [_reference_ns(u) for u in _updates()]
     for result in results:
@@ -134,10 +142,11 @@ def _muon_steps(layout: str, steps: int) -> list[list]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["hsdp", "ep"])
+@pytest.mark.parametrize("layout", ["hsdp", "ep", "hsdp_ep"])
 def test_muon_steps_on_hsdp_and_ep_equal_torch_muon(layout):
-    """Two Muon steps on HSDP 2x2 and ep=2 x dp_shard=2 equal torch.optim.Muon run on the whole
-    matrices (one torch optimizer per expert matrix and per flattened conv weight)."""
+    """Two Muon steps on HSDP 2x2, ep=2 x dp_shard=2 and dp_replicate=2 x ep=2 (experts sharded
+    over ep, replicated over dp_replicate; dense weights HSDP) equal torch.optim.Muon run on the
+    whole matrices (one torch optimizer per expert matrix and per flattened conv weight)."""
     full = [p.clone() for p in _updates()]
     matrices = []  # torch.optim.Muon takes 2-D parameters: experts one by one, conv flattened
     for t in full:
@@ -166,3 +175,26 @@ def test_muon_steps_on_hsdp_and_ep_equal_torch_muon(layout):
             # bf16 NS on a [k, M, N] batch and on one matrix at a time round differently
             # (seen: 5e-5 on one element of 96, against updates of ~1e-2): a bf16 tolerance.
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=2e-4)
+
+
+def _two_replicate_dims() -> str:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    expert = distribute_tensor(torch.randn(4, 6, 5), mesh, [Replicate(), Replicate()])
+    opt = Muon([torch.nn.Parameter(expert)], lr=0.05, ns_dtype="fp32")
+    opt.param_groups[0]["params"][0].grad = distribute_tensor(
+        torch.randn(4, 6, 5), mesh, [Replicate(), Replicate()]
+    )
+    with pytest.raises(ValueError, match="not supported") as caught:
+        opt.step()
+    return str(caught.value)
+
+
+@pytest.mark.distributed
+def test_a_matrix_replicated_over_two_mesh_dims_is_refused_naming_it():
+    """No train layout replicates a parameter over two dims (dense weights shard over ep x
+    dp_shard, experts over both too; only dp_replicate replicates), so Muon refuses that layout
+    with the parameter, its placements and what is supported, rather than guess a group."""
+    message = launch(_two_replicate_dims, 1, timeout=120)[0]
+    assert "placements (Replicate(), Replicate())" in message
+    assert "replicated over 2 mesh dims" in message
+    assert "Replicate() over at most one dim" in message

@@ -254,9 +254,15 @@ def build_pipeline(
         # V schedules split each backward into input (I) and weight (W) actions; the split
         # path's weight gradients are wrong here, so the I action runs the whole backward.
         v_shape = schedule in ("dualpipev", "zbv")
-        extra = {"dw_builder": _weights_in_full_backward} if v_shape else {}
         stages.append(
-            PipelineStage(module, index, n_stages, device, group=pp_mesh.get_group(), **extra)
+            PipelineStage(
+                module,
+                index,
+                n_stages,
+                device,
+                group=pp_mesh.get_group(),
+                dw_builder=_weights_in_full_backward if v_shape else None,
+            )
         )
     cls = getattr(pipelining, _SCHEDULE_CLASS[schedule])
     if early_recompute:
