@@ -18,7 +18,9 @@ from hyperparallel.models.moe import MoEConfig
 
 class DataConfig(_Strict):
     path: str | None = Field(
-        None, description="Text file or folder to train on; default: the Python stdlib sources."
+        None,
+        description='Text file or folder to train on (with --model also JSONL, its "text" '
+        "fields); default: the Python stdlib sources.",
     )
     max_bytes: int = Field(4_000_000, ge=8192, description="Bytes of text read from the source.")
     seq_len: int = Field(128, ge=8, description="Tokens (bytes) per training sample.")
