@@ -9,8 +9,8 @@ from typing import Any
 
 import torch._inductor.config as inductor_config
 
-from mfusion.backends.registry import get_backend
-from mfusion.config import BackendName, MFusionConfig
+from mfusion.backends.registry import BackendName, get_backend
+from mfusion.config import MFusionConfig
 from mfusion.passes.manager import MFusionPassManager
 
 _LOCK = threading.Lock()

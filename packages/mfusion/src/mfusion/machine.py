@@ -125,7 +125,7 @@ class MachineProfile:
             fast_fp16_gemm=capability.fast_matmul("cpu", torch.float16),
             threads=torch.get_num_threads(),
             cuda_capability=(
-                tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+                torch.cuda.get_device_capability() if torch.cuda.is_available() else None
             ),
         )
 

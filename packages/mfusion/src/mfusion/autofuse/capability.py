@@ -93,10 +93,15 @@ def _table(
     backend: str,
     groups: Mapping[RegionKind, tuple[object, ...]],
     dtypes: frozenset[torch.dtype],
-    **limits: object,
+    *,
+    max_rank: int = 6,
+    max_numel: int | None = None,
+    static_shapes: bool = False,
 ) -> CapabilityTable:
     ops = {
-        op: OpCapability(kind, dtypes, **limits) for kind, group in groups.items() for op in group
+        op: OpCapability(kind, dtypes, max_rank, max_numel, static_shapes)
+        for kind, group in groups.items()
+        for op in group
     }
     return CapabilityTable(backend, ops)
 

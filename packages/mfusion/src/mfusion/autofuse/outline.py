@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.node import Argument
 
 from mfusion.autofuse.split import insertion_window
 
@@ -44,7 +46,10 @@ def extract_region(nodes: Sequence[fx.Node]) -> OutlinedRegion:
 
 
 def replace_with_call(
-    graph: fx.Graph, region: OutlinedRegion, target: object, extra_args: tuple[object, ...]
+    graph: fx.Graph,
+    region: OutlinedRegion,
+    target: Callable[..., Any],
+    extra_args: tuple[Argument, ...],
 ) -> fx.Node:
     """Replace the region by ``target(inputs, *extra_args)`` returning a list of its outputs.
 

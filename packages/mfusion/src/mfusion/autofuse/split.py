@@ -40,7 +40,8 @@ def split_region(
         return [list(nodes)] if len(nodes) >= min_ops else []
     n = len(nodes)
     # best[i] = (covered, -pieces, cut) for the first i nodes; cut rebuilds the choice.
-    best: list[tuple[int, int, tuple[int, int] | None]] = [(0, 0, None)] * (n + 1)
+    # best[0]'s cut is never read: the walk back stops at i == 0
+    best: list[tuple[int, int, tuple[int, int]]] = [(0, 0, (0, -1))] * (n + 1)
     for i in range(1, n + 1):
         best[i] = (best[i - 1][0], best[i - 1][1], (i - 1, -1))  # node i-1 left out
         for j in range(i - min_ops, -1, -1):

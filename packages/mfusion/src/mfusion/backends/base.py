@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from typing import Any
+
+from torch.fx.node import Argument
 
 from mfusion.autofuse.capability import CapabilityTable
 from mfusion.autofuse.classify import RegionKind
@@ -10,7 +14,7 @@ from mfusion.autofuse.outline import OutlinedRegion
 
 # A compiled region is the op to call and the extra (non-tensor) arguments after its inputs;
 # a string instead says why the backend leaves the region to Inductor.
-RegionCall = tuple[object, tuple[object, ...]]
+RegionCall = tuple[Callable[..., Any], tuple[Argument, ...]]
 
 
 class KernelBackend(abc.ABC):

@@ -114,7 +114,9 @@ def select_backend(name: BackendName | str = BackendName.AUTO) -> BackendName:
 def backend_class(name: BackendName | str) -> type[KernelBackend]:
     """The class registered under ``name`` (imported now; nothing is probed)."""
     module, attr = BACKEND_REGISTRY[_known(name)].split(":")
-    return getattr(importlib.import_module(module), attr)
+    # what the registry promises; not checked here, since this module imports no backend code
+    cls: type[KernelBackend] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def get_backend(name: BackendName | str) -> KernelBackend:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch_mlir import ir
+
 # Bufferize with identity layouts at function boundaries and turn results into caller-provided
 # out-parameters, so outputs are written straight into tensors torch allocated (no copies, no
 # ownership hand-over); temporaries are freed by the ownership-based deallocation passes.
@@ -35,7 +40,7 @@ LLVM_PIPELINE = ",".join(
 )
 
 
-def lower_to_llvm(torch_backend_asm: str):
+def lower_to_llvm(torch_backend_asm: str) -> ir.Module:
     """Parse torch backend IR, lower it to linalg and then to the LLVM dialect.
 
     Every public function gets ``llvm.emit_c_interface`` so the JIT exposes a

@@ -71,6 +71,15 @@ def close(value: object, expected: float, rel: float = 1e-4) -> bool:
     return is_float_scalar(value) and math.isclose(float(value), expected, rel_tol=rel)
 
 
+def int_list(value: object) -> list[int] | None:
+    """``value`` as written (negative dims kept) when it is an int or a sequence of ints."""
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, Sequence) and all(isinstance(d, int) for d in value):
+        return [int(d) for d in value]
+    return None
+
+
 def normalized_dims(dims: object, ndim: int) -> tuple[int, ...] | None:
     """Reduction dims as sorted non-negative ints, or None if not a plain int list."""
     if isinstance(dims, int):
@@ -99,7 +108,7 @@ def scalar_operand(node: fx.Node, tensor: fx.Node) -> object:
     return b if a is tensor else a
 
 
-def other_operand(node: fx.Node, known: fx.Node) -> object | None:
+def other_operand(node: fx.Node, known: object) -> object | None:
     """The operand of a commutative binary op that is not ``known``; None if absent."""
     a, b = node.args[0], node.args[1]
     if a is known:

@@ -15,8 +15,11 @@ def cleanup(graph: fx.Graph) -> int:
     """
     before = len(graph.nodes)
     for node in live_nodes(graph):
-        if is_op(node, CONVERT) and dtype_of(node.args[0]) == cast_target(node):
-            node.replace_all_uses_with(node.args[0])
+        source = node.args[0] if node.args else None
+        if not is_op(node, CONVERT) or not isinstance(source, fx.Node):
+            continue
+        if dtype_of(source) == cast_target(node):  # a cast to the dtype it already has
+            node.replace_all_uses_with(source)
     graph.eliminate_dead_code()
     graph.lint()
     return before - len(graph.nodes)

@@ -81,6 +81,8 @@ class GELUPass(MFusionPass):
             return None
         gate = gates[0]
         inner = gate.args[0]
+        if not isinstance(inner, fx.Node):  # the filter above made it an erf or tanh call
+            return None
         rest = [f for f in factors if f is not gate]
         numbers = [f for f in rest if is_float_scalar(f)]
         tensors = [f for f in rest if isinstance(f, fx.Node)]

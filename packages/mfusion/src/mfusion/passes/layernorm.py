@@ -35,7 +35,7 @@ def _centered(node: object) -> tuple[fx.Node, fx.Node] | None:
     if not is_op(node, aten.sub.Tensor):
         return None
     x, mean = node.args[:2]
-    if is_op(mean, aten.mean.dim) and mean.args[0] is x:
+    if isinstance(x, fx.Node) and is_op(mean, aten.mean.dim) and mean.args[0] is x:
         return x, mean
     return None
 
@@ -78,6 +78,8 @@ class LayerNormPass(MFusionPass):
     name = "layernorm"
 
     def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
+        centered: object
+        denom: object
         if is_op(node, aten.div.Tensor) and is_op(node.args[1], aten.sqrt.default):
             centered, denom = node.args[0], node.args[1].args[0]
         elif is_op(node, aten.mul.Tensor):
@@ -99,6 +101,8 @@ class LayerNormPass(MFusionPass):
         x, mean = found
         if not is_last_dim_reduction(mean.args[1], ndim_of(x)) or not _keepdim(mean, 2):
             raise Refusal(f"mean over dims {mean.args[1]} with keepdim; LayerNorm needs the last")
+        var: object
+        eps: object
         if is_op(denom, aten.add.Tensor) and denom.kwargs.get("alpha", 1) == 1:
             var = next((a for a in denom.args[:2] if isinstance(a, fx.Node)), None)
             eps = other_operand(denom, var)
@@ -110,6 +114,7 @@ class LayerNormPass(MFusionPass):
             raise Refusal("eps missing: a constant row divides by zero")
         if not is_float_scalar(eps) or not 0 < float(eps) < 1e-1:
             raise Refusal(f"eps {eps} is not a small positive constant")
+        eps_value = float(eps)
         if dtype_of(x) not in FLOAT_DTYPES:
             raise Refusal(f"dtype {dtype_of(x)} is not a floating dtype")
 
@@ -123,6 +128,6 @@ class LayerNormPass(MFusionPass):
             if scale is not None:
                 normed = emit(graph, aten.mul.Tensor, normed, scale)
             replace(node, normed)
-            return f"LayerNorm statistics as one var_mean (eps={float(eps):g}, {dtype_of(x)})"
+            return f"LayerNorm statistics as one var_mean (eps={eps_value:g}, {dtype_of(x)})"
 
         return rewrite

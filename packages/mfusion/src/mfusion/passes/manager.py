@@ -44,7 +44,10 @@ def build_pass(name: str) -> MFusionPass:
             f"pass {name!r} is not known; available passes: {sorted(PASS_REGISTRY)}"
         ) from None
     module, attr = location.split(":")
-    return getattr(importlib.import_module(module), attr)()
+    graph_pass = getattr(importlib.import_module(module), attr)()
+    if not isinstance(graph_pass, MFusionPass):
+        raise TypeError(f"pass {name!r} is registered as {location}, not an MFusionPass")
+    return graph_pass
 
 
 def _op_counter(graph: fx.Graph) -> collections.Counter[str]:
@@ -70,9 +73,10 @@ class MFusionPassManager(CustomGraphPass):
         """Rewrite ``graph`` in place and return (and record) what happened."""
         backend = self.config.resolved_backend()
         # Decide every machine-dependent rewrite of this graph for one profile, detected once.
-        config = self.config.model_copy(update={"machine": self.config.resolved_machine()})
+        machine = self.config.resolved_machine()
+        config = self.config.model_copy(update={"machine": machine})
         record = new_graph_report(backend.value)
-        record.machine = config.machine.describe()
+        record.machine = machine.describe()
         record.ops_before = _op_counter(graph)
         ctx = PassContext(config, record)
         for graph_pass in self.passes:

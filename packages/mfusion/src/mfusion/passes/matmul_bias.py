@@ -35,7 +35,8 @@ def bias_refusal(bias: torch.Tensor, out: torch.Tensor) -> str | None:
     if bias.dim() > 2:
         return f"bias has {bias.dim()} dims; addmm takes at most [M, N]"
     try:
-        shape = torch.broadcast_shapes(tuple(bias.shape), tuple(out.shape))
+        # torch.broadcast_shapes is not annotated in torch
+        shape = torch.broadcast_shapes(tuple(bias.shape), tuple(out.shape))  # type: ignore[no-untyped-call]
     except RuntimeError:
         return f"bias {tuple(bias.shape)} does not broadcast to {tuple(out.shape)}"
     if tuple(shape) != tuple(out.shape):

@@ -40,11 +40,11 @@ class MatMulCastPass(MFusionPass):
 
     def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         target = cast_target(node)
-        if target is None or not is_op(node.args[0], *MATMULS):
-            return None
         mm = node.args[0]
-        ups = mm.args[:2]
-        if not all(cast_target(u) == torch.float32 for u in ups):
+        if target is None or not is_op(mm, *MATMULS):
+            return None
+        ups = [u for u in mm.args[:2] if isinstance(u, fx.Node)]  # only nodes can be casts
+        if len(ups) != 2 or not all(cast_target(u) == torch.float32 for u in ups):
             return None
         sources = [dtype_of(u.args[0]) for u in ups]
         if target not in LOW_PRECISION or sources != [target, target]:
@@ -54,7 +54,10 @@ class MatMulCastPass(MFusionPass):
         if not config.absorb_matmul_casts:
             raise Refusal("disabled by absorb_matmul_casts=False")
         machine = config.resolved_machine()
-        device = tensor_val(mm).device
+        product = tensor_val(mm)
+        if product is None:
+            return None  # no recorded value: the device is unknown
+        device = product.device
         if not native_gemm(machine, target, device):
             raise Refusal(
                 f"no native {target} GEMM on {device.type} ({machine.describe()}): an emulated "

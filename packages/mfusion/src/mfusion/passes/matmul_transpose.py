@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import fx
 
 from mfusion.config import MFusionConfig
-from mfusion.passes._graph import aten, emit, is_op, replace, tensor_val
+from mfusion.passes._graph import aten, emit, int_list, is_op, replace, tensor_val
 from mfusion.passes.base import MFusionPass, Rewrite
 
 MATMULS = (aten.mm.default, aten.bmm.default, aten.addmm.default)
@@ -29,11 +29,17 @@ def _transpose_copy(node: object) -> fx.Node | None:
     if is_op(view, aten.t.default):
         return view
     if is_op(view, aten.permute.default):
-        order = [d % value.dim() for d in view.args[1]]
+        dims = int_list(view.args[1])
+        if dims is None:
+            return None
+        order = [d % value.dim() for d in dims]
         expected = [*list(range(value.dim() - 2)), value.dim() - 1, value.dim() - 2]
         return view if order == expected else None
     if is_op(view, aten.transpose.int):
-        pair = sorted(d % value.dim() for d in view.args[1:3])
+        swapped = int_list(view.args[1:3])
+        if swapped is None:
+            return None
+        pair = sorted(d % value.dim() for d in swapped)
         return view if pair == [value.dim() - 2, value.dim() - 1] else None
     return None
 

@@ -15,6 +15,7 @@ from mfusion.passes._graph import (
     aten,
     dtype_of,
     emit,
+    int_list,
     is_op,
     ndim_of,
     normalized_dims,
@@ -38,9 +39,12 @@ class MeanVarPass(MFusionPass):
             return None
         x = node.args[0]
         ndim = ndim_of(x)
+        if not isinstance(x, fx.Node) or not ndim:
+            # no recorded shape (or a 0-d tensor): there are no dims to compare
+            return None
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         keepdim = bool(node.kwargs.get("keepdim", False))
-        var_dims = normalized_dims(dims, ndim) if ndim else None
+        var_dims = normalized_dims(dims, ndim)
         means = [u for u in x.users if is_op(u, aten.mean.dim) and "mfusion" not in u.meta]
         if not means:
             return None
@@ -58,6 +62,9 @@ class MeanVarPass(MFusionPass):
             raise Refusal("mean with an explicit dtype accumulates differently from var_mean")
         if dtype_of(x) not in FLOAT_DTYPES:
             raise Refusal(f"dtype {dtype_of(x)} is not a floating dtype")
+        dim_list = int_list(dims)
+        if dim_list is None:
+            raise Refusal(f"var over dims {dims}: not a list of dims var_mean can take")
         correction = node.kwargs.get("correction", 1)
 
         def rewrite() -> str:
@@ -68,12 +75,12 @@ class MeanVarPass(MFusionPass):
                     graph,
                     aten.var_mean.correction,
                     x,
-                    list(dims),
+                    dim_list,
                     correction=correction,
                     keepdim=keepdim,
                 )
                 replace(node, emit(graph, operator.getitem, stats, 0))
                 replace(mean, emit(graph, operator.getitem, stats, 1))
-            return f"mean and var (correction={correction}) over {list(dims)} as one var_mean"
+            return f"mean and var (correction={correction}) over {dim_list} as one var_mean"
 
         return rewrite

@@ -94,7 +94,10 @@ class PatchConvPass(MFusionPass):
         shape = _ints(list(vx.shape))
         if shape is None or kernel is None:
             raise Refusal("symbolic input or kernel shape")
-        if any(p != 0 for p in padding) or any(d != 1 for d in dilation):
+        pads, dilations = _ints(padding), _ints(dilation)
+        if pads is None or dilations is None:
+            raise Refusal(f"padding {padding} / dilation {dilation}: need lists of ints")
+        if any(p != 0 for p in pads) or any(d != 1 for d in dilations):
             raise Refusal(f"padding {padding} / dilation {dilation}: need 0 / 1")
         strides = _ints(stride)
         if strides is None or len(strides) != 2 or min(strides) < 1:
@@ -108,7 +111,8 @@ class PatchConvPass(MFusionPass):
         if vx.dtype != vw.dtype or vx.dtype not in FLOAT_DTYPES:
             raise Refusal(f"input/weight dtypes {vx.dtype}/{vw.dtype}: need one floating dtype")
         _check_policy(config, shape_cls, vx.dtype, vx.device)
-        if b is not None and (tensor_val(b) is None or tensor_val(b).dtype != vx.dtype):
+        vb = tensor_val(b)
+        if b is not None and (vb is None or vb.dtype != vx.dtype):
             raise Refusal("bias dtype differs from the input's")
         n, c = shape[:2]
         kh, kw = kernel

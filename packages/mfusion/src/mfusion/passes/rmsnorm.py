@@ -50,6 +50,8 @@ def match_rmsnorm(node: fx.Node) -> RMSNormMatch | None:
 
 
 def _check(out: fx.Node, x: object, denom: object) -> RMSNormMatch | None:
+    mean: fx.Node | None
+    eps: object
     if is_op(denom, aten.mean.dim):
         mean, eps = denom, None
     elif is_op(denom, aten.add.Tensor) and denom.kwargs.get("alpha", 1) == 1:
@@ -68,7 +70,7 @@ def _check(out: fx.Node, x: object, denom: object) -> RMSNormMatch | None:
         base = squared.args[0]
     else:
         return None
-    if base is not x:
+    if base is not x or not isinstance(x, fx.Node):  # base is a node: so is x when they agree
         raise Refusal(f"normalises {base} but scales {x}: not one RMSNorm")
     ndim = ndim_of(x)
     dims = mean.args[1] if len(mean.args) > 1 else None

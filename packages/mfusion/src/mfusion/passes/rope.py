@@ -22,30 +22,32 @@ def _half(node: object, x: fx.Node, start: int, end: int) -> bool:
     if not is_op(node, aten.slice.Tensor) or node.args[0] is not x:
         return False
     dim, lo, hi = ([*list(node.args[1:4]), None, None, None])[:3]
-    ndim = tensor_val(x).dim()
-    return (
-        dim is not None
-        and dim % ndim == ndim - 1
-        and lo == start
-        and hi is not None
-        and min(hi, end) == end
-    )
+    value = tensor_val(x)
+    if value is None or not isinstance(dim, int) or not isinstance(hi, int):
+        return False
+    ndim = value.dim()
+    return dim % ndim == ndim - 1 and isinstance(lo, int) and lo == start and min(hi, end) == end
 
 
 def _rotate_half_input(node: object) -> fx.Node | None:
     """``x`` for ``cat([-x[..., h:], x[..., :h]], -1)``."""
-    if not is_op(node, aten.cat.default) or len(node.args[0]) != 2:
+    if not is_op(node, aten.cat.default):
         return None
-    neg, first = node.args[0]
+    tensors = node.args[0]
+    if not isinstance(tensors, list | tuple) or len(tensors) != 2:
+        return None
+    neg, first = tensors
     if not is_op(neg, aten.neg.default) or not is_op(first, aten.slice.Tensor):
         return None
     x = first.args[0]
     value = tensor_val(x)
-    if value is None or not isinstance(value.shape[-1], int) or value.shape[-1] % 2:
+    if not isinstance(x, fx.Node) or value is None:
+        return None
+    if not isinstance(value.shape[-1], int) or value.shape[-1] % 2:
         return None
     h = value.shape[-1] // 2
     dim = node.args[1] if len(node.args) > 1 else 0
-    if dim % value.dim() != value.dim() - 1:
+    if not isinstance(dim, int) or dim % value.dim() != value.dim() - 1:
         return None
     if _half(first, x, 0, h) and _half(neg.args[0], x, h, 2 * h):
         return x
@@ -67,10 +69,11 @@ class RoPEPass(MFusionPass):
     def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
         if not is_op(node, aten.add.Tensor):
             return None
-        terms = [_mul_split(a) for a in node.args[:2]]
-        if None in terms:
+        first, second = (_mul_split(a) for a in node.args[:2])
+        if first is None or second is None:
             return None
-        found = None
+        terms = (first, second)
+        found: tuple[fx.Node, fx.Node, fx.Node] | None = None
         for i in (0, 1):
             for rot, sin in (terms[i], terms[i][::-1]):
                 x = _rotate_half_input(rot)
@@ -83,6 +86,8 @@ class RoPEPass(MFusionPass):
             return None
         x, cos, sin = found
         vx, vc, vs = tensor_val(x), tensor_val(cos), tensor_val(sin)
+        if vx is None or vc is None or vs is None:
+            return None  # a value without recorded shape and dtype: nothing to check against
         if vx.dtype in LOW_PRECISION and not config.rope_low_precision:
             raise Refusal(f"{vx.dtype} RoPE: the fused form would drift from eager rounding")
         d = vx.shape[-1]
