@@ -97,12 +97,21 @@ def _run(layout: str) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         counter = _CountCollectives(patch)
         ShardedNewtonSchulz(local)(expert_only, expert_only)
+    # No train layout replicates a parameter over two mesh dims: refused, naming it.
+    refusal = None
+    mesh = updates[0].device_mesh
+    if mesh.ndim == 2:
+        twice = distribute_tensor(torch.randn(4, 6, 5), mesh, [Replicate(), Replicate()])
+        with pytest.raises(ValueError, match="not supported") as caught:
+            ShardedNewtonSchulz(local)([twice], [twice])
+        refusal = str(caught.value)
     return {
         "full": [o.full_tensor().tolist() for o in outs],
         "placements": all(o.placements == u.placements for o, u in zip(outs, updates, strict=True)),
         "job_matrices": [int(c) for c in counts.tolist()],
         "rank_matrices": first,
         "expert_collectives": counter.calls,
+        "refusal": refusal,
     }
 
 
@@ -111,7 +120,9 @@ def _run(layout: str) -> dict:
 def test_each_matrix_orthogonalised_once_per_job_on_every_layout(layout):
     """FSDP 4, HSDP 2x2, ep=2 x dp_shard=2 (experts sharded or replicated over dp_shard) and
     dp_replicate=2 x ep=2: every dense and expert matrix NS'd once in the job, results equal to
-    torch's NS on the whole matrices; EP-sharded experts need no collective."""
+    torch's NS on the whole matrices; EP-sharded experts need no collective. No train layout
+    replicates a parameter over two dims, so such a parameter is refused naming its placements
+    and what is supported (rather than a guessed replica group)."""
     results = launch(_run, 4, layout, timeout=180)
     expected = [_reference_ns(u) for u in _updates()]
     for result in results:
@@ -125,6 +136,11 @@ def test_each_matrix_orthogonalised_once_per_job_on_every_layout(layout):
     experts_local = layout in ("fsdp", "ep")
     for result in results:
         assert (result["expert_collectives"] == []) is experts_local, result["expert_collectives"]
+    if layout != "fsdp":  # 2-D meshes: a parameter replicated over both dims is refused
+        for result in results:
+            assert "placements (Replicate(), Replicate())" in result["refusal"]
+            assert "replicated over 2 mesh dims" in result["refusal"]
+            assert "Replicate() over at most one dim" in result["refusal"]
 
 
 def _muon_steps(layout: str, steps: int) -> list[list]:
@@ -175,26 +191,3 @@ def test_muon_steps_on_hsdp_and_ep_equal_torch_muon(layout):
             # bf16 NS on a [k, M, N] batch and on one matrix at a time round differently
             # (seen: 5e-5 on one element of 96, against updates of ~1e-2): a bf16 tolerance.
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=2e-4)
-
-
-def _two_replicate_dims() -> str:
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-    expert = distribute_tensor(torch.randn(4, 6, 5), mesh, [Replicate(), Replicate()])
-    opt = Muon([torch.nn.Parameter(expert)], lr=0.05, ns_dtype="fp32")
-    opt.param_groups[0]["params"][0].grad = distribute_tensor(
-        torch.randn(4, 6, 5), mesh, [Replicate(), Replicate()]
-    )
-    with pytest.raises(ValueError, match="not supported") as caught:
-        opt.step()
-    return str(caught.value)
-
-
-@pytest.mark.distributed
-def test_a_matrix_replicated_over_two_mesh_dims_is_refused_naming_it():
-    """No train layout replicates a parameter over two dims (dense weights shard over ep x
-    dp_shard, experts over both too; only dp_replicate replicates), so Muon refuses that layout
-    with the parameter, its placements and what is supported, rather than guess a group."""
-    message = launch(_two_replicate_dims, 1, timeout=120)[0]
-    assert "placements (Replicate(), Replicate())" in message
-    assert "replicated over 2 mesh dims" in message
-    assert "Replicate() over at most one dim" in message

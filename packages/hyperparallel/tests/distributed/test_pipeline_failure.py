@@ -14,6 +14,7 @@ import pytest
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a 4-rank CLI run to its first checkpoint: 1-2 min on a loaded 2-core CI
 def test_killed_pipeline_rank_is_named_and_leaves_no_process(tmp_path, process_tree):
     """SIGKILL to the last pipeline stage's rank mid-run under ``pp=2,dp_shard=2``: the CLI
     exits non-zero naming rank 3 and its exit code -9; the other ranks (blocked in stage
