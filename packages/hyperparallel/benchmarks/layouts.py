@@ -25,7 +25,7 @@ every layout alike. Reported per layout:
 forward, recompute inside backward, and none); ``--only-ablation`` runs just those.
 
     uv run python packages/hyperparallel/benchmarks/layouts.py --out DIR [--steps 5] [--rounds 1]
-        [--ablation] [--world 8] [--layout NAME ...]
+        [--full] [--ablation] [--world 8] [--layout NAME ...]
 
 ``--world 8`` runs a reduced set on 8 ranks (fsdp, hsdp 2x4, ep=4 x dp_shard=2, pp=2 x
 dp_shard=4) with 8 experts per layer.
@@ -67,6 +67,15 @@ LAYOUTS = [
     ("pp=2 x dp_shard=2, dualpipev", "pp=2,dp_shard=2", ["parallel.pp_schedule='dualpipev'"]),
     ("pp=2 x ep=2, 1f1b", "pp=2,ep=2", ["parallel.pp_schedule='1f1b'"]),
 ]
+DEFAULT_SET = {
+    "fsdp",
+    "hsdp 2x2",
+    "ep=2 x dp_shard=2",
+    "pp=2 x dp_shard=2, 1f1b",
+    "pp=2 x dp_shard=2, dualpipev",
+}
+"""The default run (a few minutes): one layout of each kind; ``--full`` adds ep=4,
+interleaved_1f1b and pp x ep."""
 LAYOUTS_8 = [  # 8 ranks: 8 experts per MoE layer, so that ep x dp_shard = 8 divides them
     ("fsdp 8", "fsdp", []),
     ("hsdp 2x4", "dp_replicate=2,dp_shard=4", []),
@@ -228,6 +237,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="per launch; the first 2 warm up")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
+        "--full", action="store_true", help="every 4-rank layout (default: a representative 5)"
+    )
+    parser.add_argument(
         "--world", type=int, default=4, choices=(4, 8), help="8: the 8-rank layouts instead"
     )
     parser.add_argument("--ablation", action="store_true", help="also the recompute ablation")
@@ -238,11 +250,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 3:
         parser.error(f"--steps must be >= 3 (2 warm-up steps + 1 measured), got {args.steps}")
-    layouts = LAYOUTS if args.world == 4 else LAYOUTS_8
+    layouts = LAYOUTS if args.full else [c for c in LAYOUTS if c[0] in DEFAULT_SET]
+    layouts = layouts if args.world == 4 else LAYOUTS_8
     extras = ABLATION if args.world == 4 else []
     cases = [] if args.only_ablation else list(layouts)
     cases += extras if args.ablation or args.only_ablation else []
     if args.layout:
+        layouts = LAYOUTS if args.world == 4 else LAYOUTS_8
         known = [name for name, _, _ in layouts + extras]
         unknown = sorted(set(args.layout) - set(known))
         if unknown:

@@ -96,8 +96,8 @@ VARIANTS = (
     "FSDP2 + torch AdamW + HF loss",
     "FSDP2 + torch Muon (full_tensor) + HF loss",
 )
-MUON = {"lr": 0.02, "weight_decay": 0.1}
-ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+MUON: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1}
+ADAMW: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1}
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
@@ -131,15 +131,21 @@ def _state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
     )
 
 
+def _as_dtensor(t: torch.Tensor | None) -> DTensor:
+    if not isinstance(t, DTensor):
+        raise TypeError(f"expected an FSDP2 (DTensor) parameter or gradient, got {type(t)}")
+    return t
+
+
 class _TorchMuonOnShards:
     """torch.optim.Muon on FSDP2 parameters the plain way: replicated full copies, gradients
     gathered with ``full_tensor()`` each step, own rows copied back into the shard."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
+        self.params: list[DTensor] = [_as_dtensor(p) for p in params]
         self.leaves: list[list[nn.Parameter]] = []
-        for p in params:
-            full = p.detach().full_tensor()
+        for p in self.params:
+            full = p.full_tensor().detach()
             mats = full.unbind(0) if full.ndim == 3 else [full]
             self.leaves.append([nn.Parameter(m.clone()) for m in mats])
         flat = [leaf for group in self.leaves for leaf in group]
@@ -147,7 +153,7 @@ class _TorchMuonOnShards:
 
     def step(self) -> None:
         for p, leaves in zip(self.params, self.leaves, strict=True):
-            grad = p.grad.full_tensor()
+            grad = _as_dtensor(p.grad).full_tensor()
             grads = grad.unbind(0) if grad.ndim == 3 else [grad]
             for leaf, g in zip(leaves, grads, strict=True):
                 leaf.grad = g
@@ -163,10 +169,6 @@ class _TorchMuonOnShards:
         self.opt.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
-
-    @property
-    def state(self) -> dict:
-        return self.opt.state
 
     def replica_bytes(self) -> int:
         return sum(_tensor_bytes(leaf) for group in self.leaves for leaf in group)
