@@ -42,6 +42,7 @@ VARIANTS = {
     "first_block 0.2": {"cache": "first_block", "cache_threshold": 0.2},
     "pab": {"cache": "pab"},
     "taylorseer": {"cache": "taylorseer"},
+    "faster": {"cache": "faster"},
     "sparse 0.5": {"sparsity": 0.5, "block_size": 64},
     "sparse 0.5 + first_block 0.2": {
         "sparsity": 0.5,

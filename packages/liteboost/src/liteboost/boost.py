@@ -139,8 +139,8 @@ class BoostManager:
             sparse_kernel=sparse_kernel,
         )
         self.handles: dict[str, Handle] = {}
-        targets = [(name, m, find_boost(m)) for name, m in components(model_or_pipeline)]
-        targets = [(name, m, plan) for name, m, plan in targets if plan is not None]
+        found = [(name, m, find_boost(m)) for name, m in components(model_or_pipeline)]
+        targets = [(name, m, plan) for name, m, plan in found if plan is not None]
         if not targets:
             raise unsupported(model_or_pipeline, "boost", supported_boosts())
         for name, module, _ in targets:

@@ -265,13 +265,18 @@ def forced_backend(backend: str | AttentionBackend | None = None) -> AttentionBa
     return None if forced is None else parse_backend(forced, env.ATTENTION_BACKEND)
 
 
+def _presence(present: bool) -> Callable[[], str | None]:
+    """An ``installed`` probe that reports ``present`` (tests describe machines)."""
+    return lambda: None if present else "not present"
+
+
 def _with_installed(installed: Collection[AttentionBackend]) -> Registry:
     """A copy of the registry whose installed set is ``installed`` (tests describe machines)."""
     view: Registry[BackendSpec, AttentionCall] = Registry(ATTENTION_BACKENDS.kind)
     for name in ATTENTION_BACKENDS.names():
         plugin = ATTENTION_BACKENDS.get(name)
         present = AttentionBackend(name) in installed
-        view.register(replace(plugin, installed=lambda p=present: None if p else "not present"))
+        view.register(replace(plugin, installed=_presence(present)))
     return view
 
 
@@ -329,5 +334,8 @@ def flash_attention(
     spec = ATTENTION_BACKENDS.get(chosen.value).impl
     if spec.layout != layout:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = _kernel(chosen)(q, k, v, scale)
+    kernel = _kernel(chosen)
+    if kernel is None:  # the chain chose an installed backend: its kernel loads
+        raise RuntimeError(f"attention backend {chosen.value!r} failed to load its kernel")
+    out = kernel(q, k, v, scale)
     return out.transpose(1, 2) if spec.layout != layout else out

@@ -22,7 +22,7 @@ def block_shape(block_size: BlockSize) -> tuple[int, int]:
         raise ValueError(
             f"block_size={block_size!r} must be a positive int or a (query, key) pair of them"
         )
-    return tuple(pair)
+    return (pair[0], pair[1])
 
 
 def block_index_to_dense(block_index: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
@@ -73,10 +73,15 @@ def check_qkv(q: object, k: object, v: object, layout: str, *, same_tokens: bool
             that does not fit.
     """
     dims = "[B, N, S, D]" if layout == "BNSD" else "[B, S, N, D]"
+    for name, arg in {"q": q, "k": k, "v": v}.items():
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(f"{name} is a {type(arg).__name__}; expected a torch.Tensor {dims}")
+    if not (
+        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    ):
+        raise AssertionError("checked above")  # narrows the types for the checks below
     named = {"q": q, "k": k, "v": v}
     for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} is a {type(t).__name__}; expected a torch.Tensor {dims}")
         if t.dim() != 4:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)} ({t.dim()} dims); expected 4 dims {dims} "

@@ -204,8 +204,8 @@ class ParallelManager:
             **groups,
         )
         self.handles: dict[str, Handle] = {}
-        targets = [(name, m, find_parallel(m)) for name, m in components(model_or_pipeline)]
-        targets = [(name, m, plan) for name, m, plan in targets if plan is not None]
+        found = [(name, m, find_parallel(m)) for name, m in components(model_or_pipeline)]
+        targets = [(name, m, plan) for name, m, plan in found if plan is not None]
         if not targets:
             raise unsupported(model_or_pipeline, "parallel", supported_parallel())
         try:

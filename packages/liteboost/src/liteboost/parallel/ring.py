@@ -88,11 +88,12 @@ class RingAttention:
         self.degree = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         ring = group if group is not None else dist.group.WORLD
+        assert ring is not None, "torch.distributed is not initialised"
         self._next = dist.get_global_rank(ring, (self.rank + 1) % self.degree)
         self._prev = dist.get_global_rank(ring, (self.rank - 1) % self.degree)
         self.attended_blocks = 0  # (query block, key block) pairs the last sparse() computed
 
-    def _pass(self, kv: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def _pass(self, kv: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work | None]]:
         """Send ``kv`` to the next rank, start receiving the previous rank's chunk."""
         recv = torch.empty_like(kv)
         ops = [
@@ -137,7 +138,8 @@ class RingAttention:
                 out, lse = merge_partials(out, lse, part, part_lse)
             if step + 1 < self.degree:
                 for op in ops:
-                    op.wait()
+                    if op is not None:
+                        op.wait()
                 kv = incoming
         if out is None:  # unreachable: chunk 0 always holds real tokens
             raise RuntimeError(f"seq_len={seq_len}: no keys to attend")
@@ -195,7 +197,7 @@ class RingAttention:
                 f"do not fit {self.degree} chunks of {chunk}"
             )
         layout = tiling.tile_layout(
-            tuple(latent_shape), tile or tiling.default_tile(kv_block), q.device, first_frame_sink
+            latent_shape, tile or tiling.default_tile(kv_block), q.device, first_frame_sink
         )
         means = []
         for x, block in ((q, q_block), (k, kv_block)):
@@ -239,7 +241,8 @@ class RingAttention:
                 self.attended_blocks += kept
             if step + 1 < self.degree:
                 for op in ops:
-                    op.wait()
+                    if op is not None:
+                        op.wait()
                 kv = incoming
         if out is None:
             return torch.zeros_like(q)
@@ -265,7 +268,7 @@ def tiled_chunk(
     q_block, kv_block = block_shape(block_size)
     unit = math.lcm(q_block, kv_block)
     layout = tiling.tile_layout(
-        tuple(latent_shape), tile or tiling.default_tile(kv_block), x.device, first_frame_sink
+        latent_shape, tile or tiling.default_tile(kv_block), x.device, first_frame_sink
     )
     tiled = tiling.reorder(x, layout, seq_dim=2)
     chunk = math.ceil(tiled.shape[2] / (degree * unit)) * unit

@@ -84,7 +84,7 @@ def decoder_receptive_field(vae) -> int:
     scale, field = 1, 0.0
     for module in vae.decoder.modules():
         if isinstance(module, WanCausalConv3d):
-            history = module._padding[4]
+            history = int(module._padding[4])
             field += history / scale
             if id(module) in upsample_convs:
                 scale *= 2

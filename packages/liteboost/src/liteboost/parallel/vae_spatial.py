@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ class SpatialPlan:
     replicated_share: float
 
 
-def _conv_geometry(module: torch.nn.Module) -> tuple[int, int] | None:
+def _conv_geometry(module: Any) -> tuple[int, int] | None:
     """(row radius, FLOPs per output pixel) of a 'same' stride-1 conv; None if not one."""
     kernel_h, kernel_w = module.kernel_size[-2], module.kernel_size[-1]
     if any(s != 1 for s in module.stride) or any(d != 1 for d in module.dilation):
@@ -144,6 +145,7 @@ class HaloExchange:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         whole = group if group is not None else dist.group.WORLD
+        assert whole is not None, "torch.distributed is not initialised"
         self.above = dist.get_global_rank(whole, self.rank - 1) if self.rank > 0 else None
         below = self.rank + 1
         self.below = dist.get_global_rank(whole, below) if below < self.world else None
@@ -164,7 +166,8 @@ class HaloExchange:
                 dist.irecv(bottom, self.below, group=self.group),
             ]
         for op in ops:
-            op.wait()
+            if op is not None:
+                op.wait()
         parts = [p for p in (top, x, bottom) if p is not None]
         extended = torch.cat(parts, dim=-2) if len(parts) > 1 else x
         return extended, radius if top is not None else 0, radius if bottom is not None else 0
