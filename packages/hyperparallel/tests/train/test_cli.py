@@ -16,7 +16,7 @@ from hyperparallel.cli import app
 @pytest.mark.distributed
 def test_tiny_training_run_through_the_cli(tmp_path):
     """The CLI spawns ranks, trains with a swap/recompute block policy, reports the loss and
-    the saved-activation bytes, and writes metrics and the plot."""
+    the saved-activation bytes, and writes metrics, the plot and the asked-for step traces."""
     result = CliRunner().invoke(
         app,
         [
@@ -36,6 +36,8 @@ def test_tiny_training_run_through_the_cli(tmp_path):
             "--swap-inputs",
             "--set",
             "activation.swap_threshold_bytes=0",
+            "--profile-steps",
+            "2",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -46,6 +48,11 @@ def test_tiny_training_run_through_the_cli(tmp_path):
     assert metrics["saved_host_mb"] > 0 and metrics["saved_recomputed_mb"] > 0
     assert len(json.loads((tmp_path / "metrics.json").read_text())["train"]) == 6
     assert (tmp_path / "loss.png").exists()
+    traces = sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert traces == ["rank0_step2.json", "rank1_step2.json"]
+    events = json.loads((tmp_path / "profile" / "rank1_step2.json").read_text())["traceEvents"]
+    names = {event.get("name") for event in events}
+    assert "train_step_2" in names and "aten::mm" in names  # the step's marker and its GEMMs
 
 
 @pytest.mark.distributed

@@ -71,3 +71,23 @@ def test_activation_policy_names_are_checked():
         load_config(TrainConfig(), overrides=["activation.policy=sometimes"])
     with pytest.raises(ValueError, match=r"activation\.per_block"):
         load_config(TrainConfig(), overrides=["activation.per_block=['bogus']"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["steps=4", "profile_steps=2-5"], "names step 5 but the run has steps=4"),
+        (["profile_steps=0"], "'0' is not a step or range"),
+        (["profile_steps=3,x"], "'x' is not a step or range"),
+    ],
+)
+def test_profile_steps_must_name_steps_of_the_run(overrides, message):
+    """A traced step the run never reaches, or a malformed item, fails before any rank starts."""
+    with pytest.raises(ValueError, match=message):
+        load_config(debug(), None, overrides)
+
+
+def test_profile_steps_accept_steps_and_ranges():
+    cfg = load_config(debug(), None, ["steps=6", "profile_steps=2,4-6"])
+    assert cfg.profile_steps == "2,4-6"
+    assert load_config(debug(), None, ["profile_steps=3"]).profile_steps == "3"

@@ -9,6 +9,9 @@ backward.
   paired forward starts, as the MindSpore release's overlap_b_f schedule does, so that on an
   accelerator the forward's communication (PP send/recv, EP all-to-all) can hide behind it.
   :class:`EarlyRecomputeDualPipeV` is ``ScheduleDualPipeV`` with it built in.
+
+Each early recompute is a ``PP:recompute {stage}B{micro-batch}`` range for ``torch.profiler``,
+next to torch's own ``PP:{action}`` ranges, so a step's trace shows where it ran.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
     OVERLAP_F_B,
 )
+from torch.profiler import record_function
 
 from hyperparallel.activation.schedule import RecomputeHandle, RecomputeSession
 
@@ -66,7 +70,8 @@ class EarlyRecompute1F1B(Schedule1F1B):
         def get_bwd_recv_ops(bwd_chunk_id: int) -> Any:
             ops = recv(bwd_chunk_id)
             if handles := session.handles(bwd_chunk_id):
-                session.recompute(bwd_chunk_id)
+                with record_function(f"PP:recompute {stage.stage_index}B{bwd_chunk_id}"):
+                    session.recompute(bwd_chunk_id)
                 self.early_recomputes.append(bwd_chunk_id)
                 self.recomputed_handles.extend(handles)
             return ops
@@ -171,7 +176,8 @@ class PairedRecompute:
         def forward_one_chunk(fwd_chunk_id: int, *a: Any, **kw: Any) -> Any:
             pair = self.pairs.get((index, fwd_chunk_id))
             if pair is not None and (handles := session.handles(pair)):
-                session.recompute(pair)  # before the paired forward starts
+                with record_function(f"PP:recompute {pair[0]}B{pair[1]}"):
+                    session.recompute(pair)  # before the paired forward starts
                 events.append(("R", *pair))
                 self.early_recomputes.append(pair)
                 self.recomputed_handles.extend(handles)

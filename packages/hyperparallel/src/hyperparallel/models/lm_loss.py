@@ -119,6 +119,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight += grad_logits.T @ h.float()
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
+            # Free this chunk before the next one's logits exist: peak stays at one chunk.
+            del logits, grad_logits
+            if softcap is not None:
+                del capped
         ctx.save_for_backward(
             *(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias))
         )

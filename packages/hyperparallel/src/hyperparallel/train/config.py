@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from hyperparallel._config import StrictModel as _Strict
 from hyperparallel.activation.policy import POLICY_NAMES
 from hyperparallel.models.moe import MoEConfig
+from hyperparallel.train.profiling import parse_profile_steps
 
 
 class DataConfig(_Strict):
@@ -165,6 +166,30 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(50, ge=1, description="Steps between DCP checkpoints.")
     out_dir: str = Field("runs/train", description="Checkpoints, metrics.json and loss.png.")
     seed: int = Field(0, description="Seed of weights and data order (same on every rank).")
+    profile_steps: str = Field(
+        "",
+        description="Steps to trace with torch.profiler (1-based, as in metrics.json), e.g. "
+        "'3,4' or '3-6': one Chrome trace per rank and step in OUT_DIR/profile/rankR_stepS.json.",
+    )
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _steps_parse(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # `--set profile_steps=3` reads 3 as a number
+        if isinstance(value, str):
+            parse_profile_steps(value)  # raises with the item and the grammar
+        return value
+
+    @model_validator(mode="after")
+    def _profiled_steps_run(self) -> TrainConfig:
+        late = sorted(s for s in parse_profile_steps(self.profile_steps) if s > self.steps)
+        if late:
+            raise ValueError(
+                f"profile_steps={self.profile_steps!r} names step {late[0]} but the run has "
+                f"steps={self.steps}; profile steps 1..{self.steps}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fits_model(self) -> TrainConfig:

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-RUN_ARTEFACTS = ("metrics.json", "loss.png", "checkpoints")
+RUN_ARTEFACTS = ("metrics.json", "loss.png", "checkpoints", "profile")
 """What ``hyperparallel train`` writes into its out-dir; only these are removed by --overwrite."""
 
 

@@ -28,6 +28,7 @@ from hyperparallel.train import checkpoint, hf_model
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.metrics import MetricsLog
 from hyperparallel.train.model import ParallelModel, build_model
+from hyperparallel.train.profiling import StepProfiler
 from npu_core.device import comm_backend, detect_backend, device_for_rank
 
 StepCallback = Callable[[dict[str, float]], None]
@@ -108,6 +109,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     rank, dp_rank = dist.get_rank(), meshes.dp_rank
+    profiler = StepProfiler(cfg.profile_steps, out, rank, device)
     start = 0
     if resume:
         start = _resume(ckpt_root, net.owner, inner, cfg.steps)
@@ -120,22 +122,24 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         for group, base in zip(groups, base_lrs, strict=True):
             group["lr"] = base * lr_factor(step, cfg)
         began = time.perf_counter()
-        inputs, targets = data.train_batch(step, dp_rank, batch)
-        schedule = SwapSchedule(act.offload_after, act.prefetch_ahead, act.early_recompute)
-        with ActivationTracker() as tracker, schedule:
-            loss = net.forward_backward(inputs.to(device), targets.to(device))
-        saved = tracker.report()
-        opt_began = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        optim_ms = (time.perf_counter() - opt_began) * 1e3
+        with profiler.step(step + 1):
+            inputs, targets = data.train_batch(step, dp_rank, batch)
+            schedule = SwapSchedule(act.offload_after, act.prefetch_ahead, act.early_recompute)
+            with ActivationTracker() as tracker, schedule:
+                loss = net.forward_backward(inputs.to(device), targets.to(device))
+            saved = tracker.report()
+            opt_began = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_done = time.perf_counter()  # before a profiled step writes its trace
+            optim_ms = (step_done - opt_began) * 1e3
         mean_loss = _mean_over_ranks(loss)
         train_losses.append(mean_loss)
         record = {
             "step": step + 1,
             "loss": mean_loss,
             "lr_factor": lr_factor(step, cfg),
-            "tokens_per_s": dims.dp_size * inputs.numel() / (time.perf_counter() - began),
+            "tokens_per_s": dims.dp_size * inputs.numel() / (step_done - began),
             "optim_ms": optim_ms,
             "backward_ms": (opt_began - began) * 1e3,
             "saved_device_mb": saved.device_bytes / 2**20,
