@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
 import sys
@@ -246,6 +247,8 @@ def main() -> None:
             f"rewrites {row['rewrites']}, accuracy {row['accuracy']}",
             flush=True,
         )
+        # One JSON line per row as it finishes, so a run stopped early keeps its rows.
+        print("ROW " + json.dumps(row, default=str), flush=True)
     summary = {}
     for label, keep in {
         "inference": lambda r: r["mode"].startswith("infer"),

@@ -85,6 +85,27 @@ def test_gelu_refuses_wrong_constants(harness, fn, reason):
     torch.testing.assert_close(gm(x), fn(x))
 
 
+def test_gelu_leaves_decomposed_exact_gelu_alone(harness):
+    """``F.gelu`` as Inductor decomposes it (erf of ``x * (1/sqrt 2)``, the GELU of BERT/ViT in
+    transformers) already has the cheapest form: refused, graph and output unchanged."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    (x,) = _randn(torch.float32, (8, 64))
+
+    def fn(t):
+        return torch.nn.functional.gelu(t)
+
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(x)
+    assert harness.count(gm, aten.erf.default) == 1, "decomposition changed: test is stale"
+    before = [str(n.target) for n in gm.graph.nodes]
+    record = harness.apply(gm, "gelu")
+    assert record.rewritten() == 0
+    assert any("nothing to save" in d.reason for d in record.refused("gelu")), record.summary()
+    assert [str(n.target) for n in gm.graph.nodes] == before
+    torch.testing.assert_close(gm(x), torch.nn.functional.gelu(x))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_rewrites_sigmoid_form(harness, dtype):
     args = _randn(dtype, (6, 32), (32, 48), (32, 48))

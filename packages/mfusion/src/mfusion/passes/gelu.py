@@ -3,7 +3,11 @@
 tanh form: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))`` equals
 ``x * sigmoid(2c x (1 + 0.044715 x^2))``
 (since ``(1 + tanh z) / 2 = sigmoid(2z)``): six cheap ops instead of eight, no ``pow``.
-erf form: ``0.5 x (1 + erf(x / sqrt 2))`` keeps erf but multiplies instead of dividing.
+erf form: ``0.5 x (1 + erf(x / sqrt 2))`` keeps erf but multiplies instead of dividing. An erf
+form whose argument is already ``x * (1/sqrt 2)`` (what ``F.gelu``, ``nn.GELU`` and the GELU of
+transformers' models decompose to in Inductor) is left alone: the rewrite would emit the same five
+ops in another association, i.e. no saving, only a different rounding order (refused, with that
+reason in the report).
 
 Universal (no machine check): both forms stay one loop over the same data; the tanh form loses two
 operations and ``pow`` and trades ``tanh`` for ``sigmoid`` (one exp and one reciprocal, which a
@@ -97,6 +101,11 @@ class GELUPass(MFusionPass):
                 return None
             if not close(scale, 1 / math.sqrt(2)):
                 raise Refusal(f"erf argument scaled by {scale:.6g}, GELU needs 1/sqrt(2)")
+            if is_op(arg, aten.mul.Tensor):
+                raise Refusal(
+                    "erf GELU already multiplies by 1/sqrt(2) (aten.gelu's decomposition): "
+                    "the rewrite would emit the same ops, nothing to save"
+                )
             form = "erf"
         else:
             outer = (
