@@ -1,16 +1,29 @@
-"""Lowering pipelines: torch backend IR -> linalg on tensors -> LLVM dialect, for the CPU JIT."""
+"""Lowering pipelines: torch backend IR -> linalg on tensors -> LLVM dialect, for the CPU JIT.
+
+Two pipelines, both measured per region class in ``benchmarks/mlir_regions.py``:
+
+- ``vector`` (the default): element-wise producers fused, ``math.exp``/``math.tanh`` expanded
+  into arithmetic, every ``linalg.generic`` tiled to innermost rows and vectorised with the
+  transform dialect (:mod:`mfusion.mlir.vectorize`), bufferised, multi-reductions lowered to
+  one ``vector.reduction`` per row and translated with reassociating float reductions.
+- ``scalar`` (0.3.1's pipeline): linalg straight to scalar loops; kept as the baseline the
+  benchmark compares against and as a fallback for IR the vector pipeline rejects.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from torch_mlir import ir
 
+Pipeline = Literal["vector", "scalar"]
+PIPELINES: tuple[Pipeline, ...] = ("vector", "scalar")
+
 # Bufferize with identity layouts at function boundaries and turn results into caller-provided
 # out-parameters, so outputs are written straight into tensors torch allocated (no copies, no
 # ownership hand-over); temporaries are freed by the ownership-based deallocation passes.
-LLVM_PIPELINE = ",".join(
+SCALAR_PIPELINE = ",".join(
     [
         "func.func(linalg-generalize-named-ops)",
         "func.func(linalg-fuse-elementwise-ops)",
@@ -38,10 +51,55 @@ LLVM_PIPELINE = ",".join(
         "reconcile-unrealized-casts",
     ]
 )
+LLVM_PIPELINE = SCALAR_PIPELINE  # 0.3.1's name
+
+# After tiling and vectorisation (on tensors). Canonicalise + CSE right after bufferisation so the
+# copies one-shot-bufferize leaves between a tile and the identical subview it came from become
+# self-copies and fold away (a strided memref.copy would otherwise call the C runner library,
+# which this JIT does not load).
+VECTOR_PIPELINE = ",".join(
+    [
+        "convert-shape-to-std",
+        "one-shot-bufferize{bufferize-function-boundaries "
+        "function-boundary-type-conversion=identity-layout-map}",
+        "func.func(canonicalize)",
+        "func.func(cse)",
+        "func.func(canonicalize)",
+        "buffer-results-to-out-params{hoist-static-allocs modify-public-functions}",
+        "func.func(ownership-based-buffer-deallocation)",
+        "buffer-deallocation-simplification",
+        "bufferization-lower-deallocations",
+        "func.func(canonicalize)",
+        "func.func(convert-linalg-to-loops)",
+        "func.func(lower-vector-multi-reduction{lowering-strategy=inner-reduction})",
+        "func.func(lower-affine)",
+        "func.func(canonicalize)",
+        "func.func(convert-vector-to-scf)",
+        "convert-scf-to-cf",
+        "func.func(arith-expand)",
+        "func.func(math-expand-ops)",
+        "convert-vector-to-llvm{reassociate-fp-reductions}",
+        "convert-math-to-funcs",
+        "func.func(convert-math-to-llvm)",
+        "convert-math-to-libm",
+        "expand-strided-metadata",
+        "lower-affine",
+        "finalize-memref-to-llvm",
+        "func.func(convert-arith-to-llvm)",
+        "convert-func-to-llvm",
+        "convert-cf-to-llvm",
+        "convert-ub-to-llvm",
+        "reconcile-unrealized-casts",
+    ]
+)
 
 
-def lower_to_llvm(torch_backend_asm: str) -> ir.Module:
+def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.Module:
     """Parse torch backend IR, lower it to linalg and then to the LLVM dialect.
+
+    Args:
+        torch_backend_asm: The region as torch backend IR (:func:`mfusion.mlir.importer.import_region`).
+        pipeline: ``"vector"`` (tiled and vectorised) or ``"scalar"`` (plain loops).
 
     Every public function gets ``llvm.emit_c_interface`` so the JIT exposes a
     ``_mlir_ciface_<name>`` entry taking memref descriptors.
@@ -53,6 +111,10 @@ def lower_to_llvm(torch_backend_asm: str) -> ir.Module:
     from torch_mlir.compiler_utils import run_pipeline_with_repro_report
     from torch_mlir.dialects import torch as torch_d
 
+    from mfusion.mlir.vectorize import expand_transcendentals, tile_and_vectorize
+
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline={pipeline!r} is not known; use one of {list(PIPELINES)}")
     context = ir.Context()
     torch_d.register_dialect(context)
     module = ir.Module.parse(torch_backend_asm, context)
@@ -64,7 +126,20 @@ def lower_to_llvm(torch_backend_asm: str) -> ir.Module:
     with context:
         for op in module.body.operations:
             op.attributes["llvm.emit_c_interface"] = ir.UnitAttr.get()
+    if pipeline == "scalar":
+        run_pipeline_with_repro_report(
+            module, f"builtin.module({SCALAR_PIPELINE})", "Lowering Linalg-on-Tensors -> LLVM"
+        )
+        return module
     run_pipeline_with_repro_report(
-        module, f"builtin.module({LLVM_PIPELINE})", "Lowering Linalg-on-Tensors -> LLVM"
+        module,
+        "builtin.module(func.func(linalg-generalize-named-ops),"
+        "func.func(linalg-fuse-elementwise-ops),func.func(canonicalize))",
+        "Fusing linalg element-wise ops",
+    )
+    expand_transcendentals(module)
+    tile_and_vectorize(module)
+    run_pipeline_with_repro_report(
+        module, f"builtin.module({VECTOR_PIPELINE})", "Lowering vectorised linalg -> LLVM"
     )
     return module

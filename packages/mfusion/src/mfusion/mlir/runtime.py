@@ -11,7 +11,7 @@ import threading
 import torch
 
 from mfusion.mlir.importer import REGION_FUNC
-from mfusion.mlir.pipeline import lower_to_llvm
+from mfusion.mlir.pipeline import Pipeline, lower_to_llvm
 
 # Element types the JIT path accepts; the capability table keeps other dtypes with Inductor.
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32, torch.bool})
@@ -48,10 +48,14 @@ def memref_of(tensor: torch.Tensor) -> ctypes.Structure:
 class CompiledRegion:
     """One region JIT-compiled for the CPU; call it with inputs and preallocated outputs."""
 
-    def __init__(self, torch_backend_asm: str, opt_level: int = 3) -> None:
+    def __init__(
+        self, torch_backend_asm: str, pipeline: Pipeline = "vector", opt_level: int = 3
+    ) -> None:
         from torch_mlir.execution_engine import ExecutionEngine
 
-        self.engine = ExecutionEngine(lower_to_llvm(torch_backend_asm), opt_level=opt_level)
+        self.pipeline = pipeline
+        module = lower_to_llvm(torch_backend_asm, pipeline)
+        self.engine = ExecutionEngine(module, opt_level=opt_level)
         self._entry = self.engine.lookup(REGION_FUNC)
 
     def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
@@ -67,15 +71,16 @@ class CompiledRegion:
 
 
 def region_key(torch_backend_asm: str) -> str:
+    """Short stable hash of a region's IR (cache keys, log lines)."""
     return hashlib.sha256(torch_backend_asm.encode()).hexdigest()[:24]
 
 
 @functools.lru_cache(maxsize=256)
-def _compile_cached(key: str, torch_backend_asm: str) -> CompiledRegion:
-    return CompiledRegion(torch_backend_asm)
+def _compile_cached(key: str, torch_backend_asm: str, pipeline: Pipeline) -> CompiledRegion:
+    return CompiledRegion(torch_backend_asm, pipeline)
 
 
-def compiled_region(torch_backend_asm: str) -> CompiledRegion:
-    """The JIT-compiled region for this IR, compiling it on first use (thread-safe)."""
+def compiled_region(torch_backend_asm: str, pipeline: Pipeline = "vector") -> CompiledRegion:
+    """The JIT-compiled region for this IR and pipeline, compiled on first use (thread-safe)."""
     with _LOCK:
-        return _compile_cached(region_key(torch_backend_asm), torch_backend_asm)
+        return _compile_cached(region_key(torch_backend_asm), torch_backend_asm, pipeline)

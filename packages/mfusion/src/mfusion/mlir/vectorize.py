@@ -1,0 +1,245 @@
+"""Tiling and vectorisation of linalg-on-tensors for the CPU JIT (the ``vector`` pipeline).
+
+torch-mlir's linalg lowered straight to loops gives scalar code: LLVM's loop vectoriser does not
+reassociate float reductions, and ``math.exp``/``math.tanh`` become one libm call per element.
+Here each ``linalg.generic`` is tiled to innermost rows (every loop but the innermost gets
+tile size 1; the innermost is cut into :data:`MAX_VECTOR`-element pieces or a divisor of it) and then
+vectorised with the transform dialect (``transform.structured.tile_using_for`` +
+``transform.structured.vectorize``), so each piece is one vector computation and a row reduction is
+one ``vector.reduction`` per piece (lowered with reassociation: a tree of vector ops, not a serial chain).
+
+``math.exp`` and ``math.tanh`` on f32 are first rewritten into arithmetic (Cephes-style range
+reduction and polynomial, about 1-2 ulp for exp) so they vectorise too; this installed MLIR does
+not register ``math-polynomial-approximation``. ``math.erf`` and other functions stay libm calls
+(scalarised inside the vector code), which is why erf-GELU regions measure slower and stay with
+Inductor (:mod:`mfusion.mlir.choice`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch_mlir import ir
+
+MAX_VECTOR = 64
+"""Longest innermost vector (elements) one tile computes: four AVX-512 (eight AVX2) registers of
+f32. Longer vectors spill: on the AVX-512 CPU softmax/GELU/LayerNorm rows of 1024 measured
+1.5-2x slower with whole-row vectors (1024) and 1.2-1.5x with 128-256; 32 was slower again
+(loop overhead). Longer rows are tiled by a divisor; a reduction row then accumulates per tile."""
+
+MIN_VECTOR = 16
+"""A row longer than :data:`MAX_VECTOR` is tiled by its largest divisor <= MAX_VECTOR that is a
+multiple of this (one AVX-512 register of f32); without one the op stays scalar loops."""
+
+TILE_ATTR = "mfusion_tile"
+
+# Cephes expf: exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (in two parts).
+_EXP_HI = 88.72283935546875  # above: +inf
+_EXP_LO = -103.97208404541016  # below: 0
+_LOG2E = 1.44269504088896341
+_LN2_HI = 0.693359375
+_LN2_LO = -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1)
+_EXP_HALF = 5.0000001201e-1
+# tanh: odd Taylor polynomial below this |x| (no cancellation), exp form above it.
+_TANH_SMALL = 0.0625
+_TANH_TAYLOR = (-1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0)
+
+
+def loop_ranges(op: ir.Operation) -> list[int | None]:
+    """Static trip count of each loop of a ``linalg.generic`` (None where no operand fixes it)."""
+    from torch_mlir import ir
+
+    maps = [ir.AffineMapAttr(a).value for a in op.attributes["indexing_maps"]]
+    ranges: list[int | None] = [None] * maps[0].n_dims
+    for operand, amap in zip(op.operands, maps, strict=False):
+        value_type = operand.type.maybe_downcast()
+        if not isinstance(value_type, ir.ShapedType) or not value_type.has_rank:
+            continue
+        shape = value_type.shape
+        for j, expr in enumerate(amap.results):
+            dim = expr.maybe_downcast()
+            if isinstance(dim, ir.AffineDimExpr) and shape[j] >= 0:
+                ranges[dim.position] = shape[j]
+    return ranges
+
+
+def tile_sizes(ranges: list[int | None]) -> list[int] | None:
+    """Tile sizes for one op (0 = untiled), or None to leave it to scalar loops.
+
+    Every loop but the innermost is tiled by 1, so one tile is one innermost row; the row is
+    kept whole up to :data:`MAX_VECTOR` elements, else tiled by the largest multiple of
+    :data:`MIN_VECTOR` dividing it (a reduction row then accumulates tile by tile).
+    """
+    if not ranges or any(r is None for r in ranges):
+        return None
+    last = ranges[-1]
+    assert last is not None
+    if last <= MAX_VECTOR:
+        inner = 0
+    else:
+        divisors = [d for d in range(MIN_VECTOR, MAX_VECTOR + 1, MIN_VECTOR) if last % d == 0]
+        if not divisors:
+            return None
+        inner = max(divisors)
+    return [1] * (len(ranges) - 1) + [inner]
+
+
+def transform_script(plans: list[tuple[int, list[int]]]) -> str:
+    """The transform-dialect sequence tiling and vectorising each tagged op."""
+    lines = [
+        "module attributes {transform.with_named_sequence} {",
+        "transform.named_sequence @__transform_main("
+        "%root: !transform.any_op {transform.readonly}) {",
+    ]
+    for index, sizes in plans:
+        lines.append(
+            f"%m{index} = transform.structured.match attributes {{{TILE_ATTR} = {index} : i64}} "
+            "in %root : (!transform.any_op) -> !transform.any_op"
+        )
+        tiled = sum(1 for s in sizes if s)
+        target = f"%m{index}"
+        if tiled:
+            loops = ", ".join(["!transform.any_op"] * tiled)
+            lines.append(
+                f"%t{index}, %l{index}:{tiled} = transform.structured.tile_using_for "
+                f"%m{index} tile_sizes {sizes} : (!transform.any_op) -> (!transform.any_op, {loops})"
+            )
+            target = f"%t{index}"
+        lines.append(f"transform.structured.vectorize {target} : !transform.any_op")
+    lines += [
+        '%f = transform.structured.match ops{["func.func"]} in %root '
+        ": (!transform.any_op) -> !transform.any_op",
+        "transform.apply_patterns to %f {",
+        "  transform.apply_patterns.vector.cast_away_vector_leading_one_dim",
+        "  transform.apply_patterns.vector.transfer_permutation_patterns",
+        "  transform.apply_patterns.canonicalization",
+        "} : !transform.any_op",
+        "transform.yield",
+        "}",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+class _Builder:
+    """Scalar f32 arithmetic at one insertion point (the rewritten op's position)."""
+
+    def __init__(self) -> None:
+        from torch_mlir import ir
+        from torch_mlir.dialects import arith, math
+
+        self.ir, self.arith, self.math = ir, arith, math
+        self.f32 = ir.F32Type.get()
+        self.i32 = ir.IntegerType.get_signless(32)
+
+    def const(self, value: float) -> Any:
+        return self.arith.constant(self.f32, self.ir.FloatAttr.get(self.f32, value))
+
+    def iconst(self, value: int) -> Any:
+        return self.arith.constant(self.i32, self.ir.IntegerAttr.get(self.i32, value))
+
+    def add(self, a: Any, b: Any) -> Any:
+        return self.arith.addf(a, b)
+
+    def mul(self, a: Any, b: Any) -> Any:
+        return self.arith.mulf(a, b)
+
+    def exp(self, x: Any) -> Any:
+        """exp(x) for f32 in arithmetic: NaN stays NaN (IEEE min/max propagate it), overflow
+        gives +inf and underflow 0, like libm; 2^n is applied as two factors so n = 128 and
+        subnormal results need no special case."""
+        a, m = self.arith, self.math
+        x = a.minimumf(a.maximumf(x, self.const(_EXP_LO)), self.const(_EXP_HI))
+        n = m.floor(self.add(self.mul(x, self.const(_LOG2E)), self.const(0.5)))
+        r = a.subf(x, self.mul(n, self.const(_LN2_HI)))
+        r = a.subf(r, self.mul(n, self.const(_LN2_LO)))
+        poly = self.const(_EXP_POLY[0])
+        for c in _EXP_POLY[1:] + (_EXP_HALF,):
+            poly = self.add(self.mul(poly, r), self.const(c))
+        y = self.add(self.add(self.mul(poly, self.mul(r, r)), r), self.const(1.0))
+        ni = a.fptosi(self.i32, n)
+        half = a.shrsi(ni, self.iconst(1))
+        rest = a.subi(ni, half)
+        for part in (half, rest):
+            bits = a.shli(a.addi(part, self.iconst(127)), self.iconst(23))
+            y = self.mul(y, a.bitcast(self.f32, bits))
+        return y
+
+    def tanh(self, x: Any) -> Any:
+        """tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|); an odd Taylor polynomial
+        below |x| = 1/16, where 1 - e would cancel."""
+        a, m = self.arith, self.math
+        ax = m.absf(x)
+        e = self.exp(self.mul(ax, self.const(-2.0)))
+        big = a.divf(a.subf(self.const(1.0), e), self.add(self.const(1.0), e))
+        x2 = self.mul(x, x)
+        poly = self.const(_TANH_TAYLOR[-1])
+        for c in reversed(_TANH_TAYLOR[:-1]):
+            poly = self.add(self.mul(poly, x2), self.const(c))
+        small = self.add(self.mul(self.mul(poly, x2), ax), ax)
+        pred = self.arith.CmpFPredicate.OLT
+        magnitude = a.select(a.cmpf(pred, ax, self.const(_TANH_SMALL)), small, big)
+        return m.copysign(magnitude, x)
+
+
+def expand_transcendentals(module: ir.Module) -> int:
+    """Rewrite scalar f32 ``math.exp``/``math.tanh`` inside linalg bodies into arithmetic.
+
+    Returns:
+        The number of ops rewritten.
+    """
+    from torch_mlir import ir
+
+    found: list[ir.Operation] = []
+
+    def collect(op: ir.Operation) -> ir.WalkResult:
+        if op.name in ("math.exp", "math.tanh") and str(op.results[0].type) == "f32":
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    with module.context, ir.Location.unknown():
+        module.operation.walk(collect)
+        builder = _Builder() if found else None
+        for op in found:
+            assert builder is not None
+            with ir.InsertionPoint(op):
+                x = op.operands[0]
+                new = builder.exp(x) if op.name == "math.exp" else builder.tanh(x)
+            op.results[0].replace_all_uses_with(new)
+            op.erase()
+    return len(found)
+
+
+def tile_and_vectorize(module: ir.Module) -> int:
+    """Tile every ``linalg.generic`` of ``module`` (linalg on tensors) to innermost rows and
+    vectorise it; ops with dynamic or unsuitable loop ranges stay as they are (scalar loops).
+
+    Returns:
+        The number of ops vectorised.
+    """
+    from torch_mlir import ir
+    from torch_mlir.dialects.transform import interpreter
+
+    ops: list[ir.Operation] = []
+
+    def collect(op: ir.Operation) -> ir.WalkResult:
+        if op.name == "linalg.generic":
+            ops.append(op)
+        return ir.WalkResult.ADVANCE
+
+    plans: list[tuple[int, list[int]]] = []
+    with module.context, ir.Location.unknown():
+        module.operation.walk(collect)
+        i64 = ir.IntegerType.get_signless(64)
+        for op in ops:
+            sizes = tile_sizes(loop_ranges(op))
+            if sizes is None:
+                continue
+            op.attributes[TILE_ATTR] = ir.IntegerAttr.get(i64, len(plans))
+            plans.append((len(plans), sizes))
+        if plans:
+            script = ir.Module.parse(transform_script(plans))
+            interpreter.apply_named_sequence(module.operation, script.body.operations[0], script)
+    return len(plans)
