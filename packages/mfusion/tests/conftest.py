@@ -19,6 +19,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 # One fresh Inductor cache per test session: runs never read another run's artefacts, and the
 # second compile of a test still exercises the FX cache lookup (with mfusion's uuid in the key).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-inductor-"))
+# The same for mlir-cpu's measured-choice cache: no test reads or writes the user's cache.
+os.environ.setdefault("MFUSION_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-cache-"))
 
 
 class PassHarness:

@@ -56,8 +56,9 @@ def test_jit_handles_non_contiguous_input(harness):
     torch.testing.assert_close(outputs[0], rms_tanh(x, w)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_mlir_cpu_backend_outlines_region_and_matches_eager(harness):
+def test_mlir_cpu_backend_outlines_region_and_matches_eager(harness, monkeypatch):
     """auto_fuse with mlir-cpu replaces the fp32 region by one mfusion::mlir_region call."""
+    monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")
 
     def fn(x, w, m):
         y = torch.exp(x) * w - 1.0

@@ -57,6 +57,12 @@ def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> in
             replace_with_call(graph, extracted, target, extra_args)
             outlined += 1
             record.regions.append(
-                RegionSummary(kind.value, len(piece), backend.name, True, "compiled by backend")
+                RegionSummary(
+                    kind.value,
+                    len(piece),
+                    backend.name,
+                    True,
+                    getattr(backend, "last_note", "compiled by backend"),
+                )
             )
     return outlined

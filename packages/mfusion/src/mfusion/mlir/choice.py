@@ -1,0 +1,263 @@
+"""Measured per-region choice between the MLIR kernel and Inductor's kernel, cached on disk.
+
+An MLIR kernel is an opaque call Inductor cannot fuse around, and whether it beats Inductor's
+own kernel depends on the region (exp-heavy rows: often; erf, short rows: not) and on the
+machine. So every region the ``mlir-cpu`` backend compiles is timed against Inductor's kernel
+for the same region on the machine it runs on, and outlined only where the MLIR kernel is not
+slower; otherwise it stays in the graph for Inductor.
+
+- **What is timed.** The MLIR side is the JIT-compiled kernel writing into preallocated outputs
+  (as ``mfusion::mlir_region`` runs it, minus the output allocation). The Inductor side is the
+  region's own FX graph compiled by Inductor standalone (``torch._inductor.compile``, one
+  kernel for an element-wise/reduce region), called with the same inputs. Inputs are random
+  normal tensors of the region's static shapes.
+- **How.** Interleaved samples of about :data:`SAMPLE_S` each, alternating which side goes
+  first, for :data:`ROUNDS` rounds; the decision compares medians of the per-round times.
+- **Cache.** One JSON file per (region IR hash, pipeline, machine profile fingerprint), under
+  ``$MFUSION_CACHE_DIR/mlir-choice`` (default ``$XDG_CACHE_HOME/mfusion`` or
+  ``~/.cache/mfusion``). A hit costs one file read; a new machine profile (another CPU, ISA
+  cap or thread count) measures again.
+- **Override.** ``MFUSION_MLIR_CHOICE=measure`` (default), ``always`` (outline every region
+  the JIT compiles: 0.3.1's behaviour, used by tests of the outlining itself) or ``never``.
+  Inductor's FX graph cache key does not see this variable: use a fresh
+  ``TORCHINDUCTOR_CACHE_DIR`` after changing it.
+
+Every decision is logged (logger ``mfusion.mlir``) with both times and where it came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from mfusion.machine import MachineProfile
+
+log = logging.getLogger("mfusion.mlir")
+
+ROUNDS = 7
+"""Interleaved rounds per decision (odd, so the median is one measured round)."""
+
+SAMPLE_S = 0.002
+"""Target length of one timed sample (calls are batched up to it); ~ROUNDS x 2 x 2 ms per region."""
+
+CHOICES = ("measure", "always", "never")
+
+Call = Callable[[], object]
+Timer = Callable[[Call, Call], tuple[float, float]]
+"""``timer(mlir_call, inductor_call) -> (mlir_seconds, inductor_seconds)`` per call."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether one region runs as the MLIR kernel, and the measurement behind it."""
+
+    use_mlir: bool
+    mlir_s: float | None
+    """Seconds per call of the MLIR kernel (None when not measured)."""
+    inductor_s: float | None
+    """Seconds per call of Inductor's kernel for the same region (None when not measured)."""
+    source: str
+    """``measured``, ``cache`` or ``MFUSION_MLIR_CHOICE=<value>``."""
+
+    @property
+    def ratio(self) -> float | None:
+        """MLIR time / Inductor time (below 1: MLIR faster)."""
+        if self.mlir_s is None or not self.inductor_s:
+            return None
+        return self.mlir_s / self.inductor_s
+
+    def describe(self) -> str:
+        """One line for the report and the log."""
+        if self.ratio is None:
+            return f"{'mlir' if self.use_mlir else 'inductor'} ({self.source})"
+        assert self.mlir_s is not None and self.inductor_s is not None
+        winner = "mlir" if self.use_mlir else "inductor"
+        return (
+            f"{winner}: mlir {self.mlir_s * 1e6:.1f} us vs inductor {self.inductor_s * 1e6:.1f} us"
+            f" (ratio {self.ratio:.2f}, {self.source})"
+        )
+
+
+def choice_mode() -> str:
+    """``MFUSION_MLIR_CHOICE`` (default ``measure``).
+
+    Raises:
+        ValueError: the variable holds something else; names the value and what is allowed.
+    """
+    mode = os.environ.get("MFUSION_MLIR_CHOICE", "measure").strip().lower() or "measure"
+    if mode not in CHOICES:
+        raise ValueError(f"MFUSION_MLIR_CHOICE={mode!r} is not known; use one of {list(CHOICES)}")
+    return mode
+
+
+def cache_dir() -> Path:
+    """Where decisions are kept: ``$MFUSION_CACHE_DIR/mlir-choice``, else under
+    ``$XDG_CACHE_HOME/mfusion`` or ``~/.cache/mfusion``."""
+    root = os.environ.get("MFUSION_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "mfusion")
+    return Path(root) / "mlir-choice"
+
+
+class DecisionCache:
+    """Decisions on disk, one small JSON file per (region, pipeline, machine) key.
+
+    Files are written to a temporary name and renamed, so concurrent compiles never read half a
+    file; an unreadable file counts as a miss.
+    """
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory if directory is not None else cache_dir()
+
+    @staticmethod
+    def key(region_hash: str, pipeline: str, machine: MachineProfile) -> str:
+        return f"{region_hash}-{pipeline}-{machine.fingerprint()[:16]}"
+
+    def get(self, key: str) -> Decision | None:
+        try:
+            data = json.loads((self.directory / f"{key}.json").read_text())
+            return Decision(bool(data["use_mlir"]), data["mlir_s"], data["inductor_s"], "cache")
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put(self, key: str, decision: Decision, machine: MachineProfile) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        data = {
+            "use_mlir": decision.use_mlir,
+            "mlir_s": decision.mlir_s,
+            "inductor_s": decision.inductor_s,
+            "machine": machine.describe(),
+        }
+        tmp = self.directory / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        tmp.replace(self.directory / f"{key}.json")
+
+
+def _per_call(fn: Call, budget_s: float) -> float:
+    """Seconds per call of ``fn``, batching calls into one sample of about ``budget_s``."""
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, min(10_000, int(budget_s / once)))
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved_timer(mlir_call: Call, inductor_call: Call) -> tuple[float, float]:
+    """Median per-call seconds of both sides over :data:`ROUNDS` interleaved rounds, the order
+    alternating each round (so drift in machine load hits both sides alike)."""
+    for fn in (mlir_call, inductor_call):  # warm caches and lazy initialisation
+        fn()
+    mlir, inductor = [], []
+    for i in range(ROUNDS):
+        if i % 2:
+            inductor.append(_per_call(inductor_call, SAMPLE_S))
+            mlir.append(_per_call(mlir_call, SAMPLE_S))
+        else:
+            mlir.append(_per_call(mlir_call, SAMPLE_S))
+            inductor.append(_per_call(inductor_call, SAMPLE_S))
+    return statistics.median(mlir), statistics.median(inductor)
+
+
+_TIMER: list[Timer] = [interleaved_timer]
+
+
+@contextlib.contextmanager
+def use_timer(timer: Timer) -> Iterator[None]:
+    """Decide with ``timer`` inside the block (tests inject fixed times: no test may depend on
+    the speed of the machine it runs on)."""
+    _TIMER.append(timer)
+    try:
+        yield
+    finally:
+        _TIMER.pop()
+
+
+def example_inputs(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """Random real tensors matching the region's placeholders (static shapes, fp32 normal)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    inputs = []
+    with unset_fake_temporarily():
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta["val"]
+            if value.dtype.is_floating_point:
+                inputs.append(torch.randn(tuple(value.shape), dtype=value.dtype))
+            else:
+                inputs.append(torch.zeros(tuple(value.shape), dtype=value.dtype))
+    return inputs
+
+
+def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
+    """Inductor's compiled kernel for the region alone (``torch._inductor.compile``), as a call
+    on ``inputs``. Compiled with fresh tracing state and without mfusion's own post-grad pass
+    (which would outline the region again), so it can run inside another compile."""
+    import torch._inductor
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config as inductor_config
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    region = fx.GraphModule(gm, gm.graph)
+    with (
+        unset_fake_temporarily(),
+        tracing(TracingContext(None)),  # type: ignore[arg-type]
+        inductor_config.patch(post_grad_custom_post_pass=None),
+    ):
+        compiled: Any = torch._inductor.compile(region, inputs)
+    return lambda: compiled(*inputs)
+
+
+def decide(
+    gm: fx.GraphModule,
+    run_mlir: Callable[[list[torch.Tensor]], object],
+    region_hash: str,
+    pipeline: str,
+    machine: MachineProfile,
+    cache: DecisionCache | None = None,
+) -> Decision:
+    """Run the region as the MLIR kernel or leave it to Inductor: by ``MFUSION_MLIR_CHOICE``,
+    else from the cache, else measured now (and cached).
+
+    Args:
+        gm: The region as a stand-alone graph module (placeholders carry fake values).
+        run_mlir: Runs the MLIR kernel on the given inputs (outputs preallocated by the caller).
+        region_hash: Hash of the region's IR (the cache key with ``pipeline`` and ``machine``).
+        pipeline: The lowering pipeline the kernel was built with.
+        machine: The profile the decision holds for.
+        cache: Where decisions are kept (default: :func:`cache_dir`).
+    """
+    mode = choice_mode()
+    if mode != "measure":
+        decision = Decision(mode == "always", None, None, f"MFUSION_MLIR_CHOICE={mode}")
+        log.info("region %s: %s", region_hash, decision.describe())
+        return decision
+    cache = cache if cache is not None else DecisionCache()
+    key = DecisionCache.key(region_hash, pipeline, machine)
+    cached = cache.get(key)
+    if cached is not None:
+        log.info("region %s: %s", region_hash, cached.describe())
+        return cached
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    inputs = example_inputs(gm)
+    inductor_call = inductor_kernel(gm, inputs)
+    with unset_fake_temporarily():
+        mlir_s, inductor_s = _TIMER[-1](lambda: run_mlir(inputs), inductor_call)
+    decision = Decision(mlir_s <= inductor_s, mlir_s, inductor_s, "measured")
+    cache.put(key, decision, machine)
+    log.info("region %s on %s: %s", region_hash, machine.describe(), decision.describe())
+    return decision
