@@ -31,6 +31,7 @@ def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> in
         Number of regions outlined (replaced by one call each).
     """
     backend = get_backend(config.resolved_backend())
+    backend.machine = config.machine  # None: the backend detects this process's when needed
     kinds = candidate_kinds(graph, backend.table)
     regions = grow_regions(
         graph,

@@ -11,6 +11,7 @@ from torch.fx.node import Argument
 from mfusion.autofuse.capability import CapabilityTable
 from mfusion.autofuse.classify import RegionKind
 from mfusion.autofuse.outline import OutlinedRegion
+from mfusion.machine import MachineProfile
 
 # A compiled region is the op to call and the extra (non-tensor) arguments after its inputs;
 # a string instead says why the backend leaves the region to Inductor.
@@ -25,6 +26,9 @@ class KernelBackend(abc.ABC):
 
     name: str
     table: CapabilityTable
+    machine: MachineProfile | None = None
+    """The profile measured decisions hold for (set from the config by ``auto_fuse``; None:
+    this process's, detected when needed)."""
 
     @abc.abstractmethod
     def compile_region(self, region: OutlinedRegion, kind: RegionKind) -> RegionCall | str:

@@ -108,9 +108,8 @@ class MLIRCPUBackend(KernelBackend):
         def run(inputs: list[torch.Tensor]) -> None:
             kernel(inputs, [torch.empty(s, dtype=d) for d, s in parse_out_spec(spec)])
 
-        decision = decide(
-            region.module, run, region_key(ir), compiled.pipeline, MachineProfile.detect()
-        )
+        machine = self.machine if self.machine is not None else MachineProfile.detect()
+        decision = decide(region.module, run, region_key(ir), compiled.pipeline, machine)
         self.last_note = f"compiled by backend; {decision.describe()}"
         if not decision.use_mlir:
             return f"stays with Inductor, {decision.describe()}"

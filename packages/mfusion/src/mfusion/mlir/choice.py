@@ -214,10 +214,11 @@ def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
     region = fx.GraphModule(gm, gm.graph)
     with (
         unset_fake_temporarily(),
-        tracing(TracingContext(None)),  # type: ignore[arg-type]
+        tracing(TracingContext(None)),
         inductor_config.patch(post_grad_custom_post_pass=None),
     ):
-        compiled: Any = torch._inductor.compile(region, inputs)
+        example: list[torch.Tensor | int | torch.SymInt | None] = list(inputs)
+        compiled: Any = torch._inductor.compile(region, example)
     return lambda: compiled(*inputs)
 
 

@@ -98,7 +98,7 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
     """Parse torch backend IR, lower it to linalg and then to the LLVM dialect.
 
     Args:
-        torch_backend_asm: The region as torch backend IR (:func:`mfusion.mlir.importer.import_region`).
+        torch_backend_asm: The region as torch backend IR (``import_region``'s result).
         pipeline: ``"vector"`` (tiled and vectorised) or ``"scalar"`` (plain loops).
 
     Every public function gets ``llvm.emit_c_interface`` so the JIT exposes a

@@ -3,10 +3,11 @@
 torch-mlir's linalg lowered straight to loops gives scalar code: LLVM's loop vectoriser does not
 reassociate float reductions, and ``math.exp``/``math.tanh`` become one libm call per element.
 Here each ``linalg.generic`` is tiled to innermost rows (every loop but the innermost gets
-tile size 1; the innermost is cut into :data:`MAX_VECTOR`-element pieces or a divisor of it) and then
-vectorised with the transform dialect (``transform.structured.tile_using_for`` +
-``transform.structured.vectorize``), so each piece is one vector computation and a row reduction is
-one ``vector.reduction`` per piece (lowered with reassociation: a tree of vector ops, not a serial chain).
+tile size 1; the innermost is cut into :data:`MAX_VECTOR`-element pieces or a divisor of it)
+and then vectorised with the transform dialect (``transform.structured.tile_using_for`` +
+``transform.structured.vectorize``), so each piece is one vector computation and a row
+reduction is one ``vector.reduction`` per piece (lowered with reassociation: a tree of vector
+ops, not a serial chain).
 
 ``math.exp`` and ``math.tanh`` on f32 are first rewritten into arithmetic (Cephes-style range
 reduction and polynomial, about 1-2 ulp for exp) so they vectorise too; this installed MLIR does
@@ -104,7 +105,8 @@ def transform_script(plans: list[tuple[int, list[int]]]) -> str:
             loops = ", ".join(["!transform.any_op"] * tiled)
             lines.append(
                 f"%t{index}, %l{index}:{tiled} = transform.structured.tile_using_for "
-                f"%m{index} tile_sizes {sizes} : (!transform.any_op) -> (!transform.any_op, {loops})"
+                f"%m{index} tile_sizes {sizes} "
+                f": (!transform.any_op) -> (!transform.any_op, {loops})"
             )
             target = f"%t{index}"
         lines.append(f"transform.structured.vectorize {target} : !transform.any_op")
@@ -156,7 +158,7 @@ class _Builder:
         r = a.subf(x, self.mul(n, self.const(_LN2_HI)))
         r = a.subf(r, self.mul(n, self.const(_LN2_LO)))
         poly = self.const(_EXP_POLY[0])
-        for c in _EXP_POLY[1:] + (_EXP_HALF,):
+        for c in (*_EXP_POLY[1:], _EXP_HALF):
             poly = self.add(self.mul(poly, r), self.const(c))
         y = self.add(self.add(self.mul(poly, self.mul(r, r)), r), self.const(1.0))
         ni = a.fptosi(self.i32, n)

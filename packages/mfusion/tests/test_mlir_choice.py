@@ -1,0 +1,157 @@
+"""The measured per-region choice: MLIR kernel vs Inductor's kernel for the same region, cached
+per (region IR, pipeline, machine profile). Timers are injected: no outcome depends on the speed
+of the machine running the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mfusion import MFusionConfig
+from mfusion.autofuse.fuse import auto_fuse
+from mfusion.mlir import choice
+from mfusion.report import GraphReport
+
+REGION_OP = torch.ops.mfusion.mlir_region.default
+
+
+def softmax_gelu(x, b):
+    y = x + b
+    g = 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+    e = torch.exp(g - g.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+ARGS = (torch.randn(8, 128), torch.randn(128))
+
+
+class FixedTimer:
+    """Runs both calls once (they must work) and reports fixed per-call times."""
+
+    def __init__(self, mlir_s: float, inductor_s: float) -> None:
+        self.times = (mlir_s, inductor_s)
+        self.calls = 0
+
+    def __call__(self, mlir_call, inductor_call):
+        self.calls += 1
+        mlir_call()
+        inductor_call()
+        return self.times
+
+
+def _fail_timer(mlir_call, inductor_call):
+    raise AssertionError("the cached decision should have been used")
+
+
+@pytest.fixture
+def decisions(tmp_path, monkeypatch):
+    """A private decision cache, measured mode."""
+    monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MFUSION_MLIR_CHOICE", raising=False)
+    return tmp_path / "mlir-choice"
+
+
+def _fuse(harness, machine=None):
+    gm = harness.trace(softmax_gelu, *ARGS)
+    record = GraphReport(0, "mlir-cpu")
+    outlined = auto_fuse(gm.graph, MFusionConfig(backend="mlir-cpu", machine=machine), record)
+    gm.recompile()
+    return gm, outlined, record
+
+
+@pytest.mark.slow
+def test_faster_region_is_outlined_cached_and_matches_eager(harness, decisions):
+    timer = FixedTimer(1e-6, 2e-6)
+    with choice.use_timer(timer):
+        gm, outlined, record = _fuse(harness)
+    assert outlined == 1 and timer.calls == 1
+    assert harness.count(gm, REGION_OP) == 1
+    assert "mlir 1.0 us vs inductor 2.0 us" in record.regions[0].reason
+    (entry,) = decisions.glob("*.json")
+    assert json.loads(entry.read_text())["use_mlir"] is True
+    torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-5, rtol=1e-5)
+
+    # the same region again (a new trace): a cache hit, nothing measured
+    with choice.use_timer(_fail_timer):
+        gm, outlined, record = _fuse(harness)
+    assert outlined == 1 and "(ratio 0.50, cache)" in record.regions[0].reason
+
+
+@pytest.mark.slow
+def test_slower_region_stays_with_inductor(harness, decisions):
+    timer = FixedTimer(3e-6, 2e-6)
+    with choice.use_timer(timer):
+        gm, outlined, record = _fuse(harness)
+    assert outlined == 0 and timer.calls == 1
+    assert harness.count(gm, REGION_OP) == 0
+    assert not record.regions[0].outlined
+    assert record.regions[0].reason.startswith("stays with Inductor, inductor: mlir 3.0 us")
+    torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-6, rtol=1e-6)
+    with choice.use_timer(_fail_timer):  # the "no" is cached as well
+        assert _fuse(harness)[1] == 0
+
+
+@pytest.mark.slow
+def test_another_machine_profile_measures_again(harness, decisions):
+    timer = FixedTimer(1e-6, 2e-6)
+    avx2 = harness.machine("AVX2")
+    with choice.use_timer(timer):
+        _fuse(harness, avx2)
+        _fuse(harness, avx2)
+        assert timer.calls == 1
+        _fuse(harness, dataclasses.replace(avx2, threads=2))
+    assert timer.calls == 2
+    assert len(list(decisions.glob("*.json"))) == 2
+
+
+def test_unreadable_cache_entry_is_a_miss(tmp_path, harness):
+    cache = choice.DecisionCache(tmp_path)
+    key = choice.DecisionCache.key("abc", "vector", harness.machine("AVX2"))
+    assert cache.get(key) is None
+    (tmp_path / f"{key}.json").write_text("{not json")
+    assert cache.get(key) is None
+    decision = choice.Decision(False, 2e-6, 1e-6, "measured")
+    cache.put(key, decision, harness.machine("AVX2"))
+    assert cache.get(key) == dataclasses.replace(decision, source="cache")
+
+
+def test_choice_override_and_refusal(harness, decisions, monkeypatch):
+    monkeypatch.setenv("MFUSION_MLIR_CHOICE", "never")
+    with choice.use_timer(_fail_timer):
+        _, outlined, record = _fuse(harness)
+    assert outlined == 0 and "MFUSION_MLIR_CHOICE=never" in record.regions[0].reason
+    assert not decisions.exists()
+    monkeypatch.setenv("MFUSION_MLIR_CHOICE", "sometimes")
+    with pytest.raises(ValueError, match=r"MFUSION_MLIR_CHOICE='sometimes' is not known"):
+        choice.choice_mode()
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path / "a"))
+    assert choice.cache_dir() == tmp_path / "a" / "mlir-choice"
+    monkeypatch.delenv("MFUSION_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert choice.cache_dir() == tmp_path / "xdg" / "mfusion" / "mlir-choice"
+
+
+@pytest.mark.slow
+def test_inductor_stand_in_computes_the_region(harness):
+    """The Inductor side of the comparison is the region compiled by Inductor: same result."""
+    gm = harness.trace(softmax_gelu, *ARGS)
+    inputs = choice.example_inputs(gm)
+    assert [t.shape for t in inputs] == [a.shape for a in ARGS]
+    call = choice.inductor_kernel(gm, inputs)
+    torch.testing.assert_close(call(), softmax_gelu(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_interleaved_timer_alternates_and_takes_medians(monkeypatch):
+    order: list[str] = []
+    monkeypatch.setattr(choice, "_per_call", lambda fn, budget: (order.append(fn()), 1.0)[1])
+    mlir_s, inductor_s = choice.interleaved_timer(lambda: "m", lambda: "i")
+    assert (mlir_s, inductor_s) == (1.0, 1.0)
+    rounds = [order[i : i + 2] for i in range(0, len(order), 2)]
+    assert rounds[0] == ["m", "i"] and rounds[1] == ["i", "m"]
+    assert len(rounds) == choice.ROUNDS
