@@ -43,7 +43,8 @@ def check_layout(cfg, dims: ParallelDims) -> int:
     local = local_batch_size(
         cfg.data.batch_size, cfg.data.global_batch_size, dims, par.microbatches
     )
-    if dims.ep > 1 and cfg.model.n_experts % (dims.ep * dims.dp_shard):
+    # a transformers model (hf.source) checks its own expert count (train.hf_model)
+    if dims.ep > 1 and cfg.hf.source is None and cfg.model.n_experts % (dims.ep * dims.dp_shard):
         raise ValueError(
             f"model.n_experts={cfg.model.n_experts} must be divisible by ep x dp_shard = "
             f"{dims.ep} x {dims.dp_shard} (each rank stores whole experts)"

@@ -8,10 +8,12 @@ the mesh must be one this job supports. :func:`build` then makes the same
 :class:`~hyperparallel.train.model.ParallelModel` the built-in MoE gets, so the loop, metrics,
 plot and DCP checkpoints are shared.
 
-Layouts: ``dp_replicate x dp_shard`` (FSDP2 / HSDP, one unit per decoder block). ``pp`` and
-``ep`` are refused: pipeline stages and expert placement exist only for the built-in MoE's
-module structure, and each transformers family stores its experts differently (fused
-``gate_up_proj`` stacks, per-expert modules), so they would need per-family work.
+Layouts: ``dp_replicate x dp_shard`` (FSDP2 / HSDP, one unit per decoder block), and for MoE
+families ``ep`` as well: the routed experts are placed on the expert mesh and their tokens moved
+by all-to-all (:mod:`hyperparallel.parallel.hf_expert`, generic over the families' shared experts
+contract), the rest sharded by FSDP2 over ``ep x dp_shard``. ``pp`` is refused: pipeline stages
+are cut from the built-in MoE's module structure, and a transformers model's forward (masks,
+rotary embeddings, router outputs threaded through the decoder) is not split into stages here.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from hyperparallel.models.families import FamilyPlan, UnknownArchitectureError, 
 from hyperparallel.models.hf import build_causal_lm
 from hyperparallel.models.parallelize import apply_activation_memory, apply_fsdp
 from hyperparallel.parallel.dims import ParallelDims
+from hyperparallel.parallel.expert import check_divisible
+from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel
 from hyperparallel.parallel.layout import check_layout
 from hyperparallel.parallel.mesh import MeshSet
 from hyperparallel.train.config import TrainConfig
@@ -174,17 +178,41 @@ def _tokenizer(cfg: TrainConfig, folder: Path) -> Path | None:
     return folder if any((folder / name).is_file() for name in TOKENIZER_FILES) else None
 
 
-def check_layout_hf(cfg: TrainConfig, dims: ParallelDims) -> int:
-    """:func:`~hyperparallel.parallel.layout.check_layout` for a transformers model: pipeline
-    and expert parallelism are refused first (see the module docstring); returns the local
-    batch size."""
-    for name, size in (("pp", dims.pp), ("ep", dims.ep)):
-        if size > 1:
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Config fields that hold the number of routed experts, as the MoE families name it."""
+
+
+def expert_count(config: Any) -> tuple[str, int] | None:
+    """``(field, E)``: the routed-expert count of a transformers config, named as the config
+    stores it (through its ``attribute_map``), or None when it has none."""
+    aliases = getattr(config, "attribute_map", {}) or {}
+    for field in EXPERT_COUNT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return aliases.get(field, field), value
+    return None
+
+
+def check_layout_hf(cfg: TrainConfig, dims: ParallelDims, model: HFModel) -> int:
+    """:func:`~hyperparallel.parallel.layout.check_layout` for a transformers model: pp is
+    refused, ep needs a MoE family whose expert count divides by ``ep x dp_shard`` (see the
+    module docstring); returns the local batch size."""
+    if dims.pp > 1:
+        raise ValueError(
+            f"--mesh {dims.spec()}: pp={dims.pp} is not supported with --model (a transformers "
+            "model trains on dp_replicate x ep x dp_shard: FSDP2, HSDP, and ep for MoE "
+            "families, e.g. --mesh fsdp, --mesh 2x2 or --mesh ep=2,dp_shard=2)"
+        )
+    if dims.ep > 1:
+        if model.plan.experts is None:
             raise ValueError(
-                f"--mesh {dims.spec()}: {name}={size} is not supported with --model (a "
-                "transformers model trains on dp_replicate x dp_shard: FSDP2 or HSDP, e.g. "
-                "--mesh fsdp or --mesh 2x2)"
+                f"--mesh {dims.spec()}: ep={dims.ep} needs a MoE model, and {model.architecture} "
+                f"(family {model.plan.name!r}) has no routed experts; use dp_replicate x dp_shard"
             )
+        count = expert_count(model.config)
+        if count is not None:
+            field, n_experts = count
+            check_divisible(n_experts, dims.ep, dims.dp_shard, f"--model {field}")
     return check_layout(cfg, dims)
 
 
@@ -198,8 +226,10 @@ def batches(cfg: TrainConfig, model: HFModel) -> ByteBatches:
 
 def build(cfg: TrainConfig, model: HFModel, meshes: MeshSet, device: torch.device) -> ParallelModel:
     """The CausalLM (random weights from ``cfg.seed``, identical on every rank, or the folder's
-    weights), each decoder block an activation region with its policy, then FSDP2 / HSDP per
-    block and at the root over ``meshes.dense``. The optimizer routes with ``net.classify``."""
+    weights), each decoder block an activation region with its policy, under ep the routed
+    experts placed on ``meshes.experts`` (left out of FSDP), then FSDP2 / HSDP per block and at
+    the root over ``meshes.dense``. The optimizer routes with ``net.classify``: expert stacks
+    are Muon's, sharded or not."""
     if model.load_weights:
         net = build_causal_lm(model.folder, load_weights=True)
     else:
@@ -210,7 +240,10 @@ def build(cfg: TrainConfig, model: HFModel, meshes: MeshSet, device: torch.devic
     apply_activation_memory(
         net, policies, swap_inputs=act.swap_inputs, swap_threshold_bytes=act.swap_threshold_bytes
     )
-    apply_fsdp(net, meshes.dense)
+    experts: list[torch.nn.Parameter] = []
+    if meshes.ep is not None:
+        experts = apply_hf_expert_parallel(net.model, model.plan, meshes)
+    apply_fsdp(net, meshes.dense, set(experts) or None)
     return ParallelModel(
         net, meshes, net, None, cfg.optim.balance_weight, losses=net, classify=net.classify
     )

@@ -36,7 +36,7 @@ def check(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     if not is_torchrun():  # under torchrun the world size is known only to the ranks
         dims = parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc)
         if hf is not None:
-            hf_model.check_layout_hf(cfg, dims)
+            hf_model.check_layout_hf(cfg, dims, hf)
         else:
             check_layout(cfg, dims)
     # The corpus is read (and tokenized) once here: a missing, empty, binary or too-small source
