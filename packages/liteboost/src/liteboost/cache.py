@@ -32,18 +32,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from diffusers.hooks.hooks import BaseState, StateManager
+
+if TYPE_CHECKING:
+    from liteboost.parallel.sequence import SequenceParallel
+
+
+class _TimestepSource(Protocol):
+    """What the timestep-driven caches read: a diffusers pipeline's ``current_timestep``."""
+
+    @property
+    def current_timestep(self) -> Any: ...
+
 
 _FBC_HEAD_HOOK = "fbc_leader_block_hook"
 CACHE_NAMES = ("first_block", "pab", "taylorseer", "faster", "mag")
 _FASTER_HOOKS = ("faster_cache_denoiser", "faster_cache_block")
 
 
-def cache_config(cache: object, pipeline: object | None = None, threshold: float | None = None):
+def cache_config(
+    cache: object, pipeline: object | None = None, threshold: float | None = None
+) -> Any:
     """A diffusers cache config from a config object or a short name.
 
     Args:
@@ -57,7 +70,8 @@ def cache_config(cache: object, pipeline: object | None = None, threshold: float
         threshold: first-block cache threshold (default diffusers' 0.05).
 
     Raises:
-        ValueError: an unknown name, or a timestep-driven cache without a pipeline.
+        ValueError: an unknown name, or a timestep-driven cache without a pipeline (an object
+            whose class has ``current_timestep``).
     """
     from diffusers.hooks import (
         FirstBlockCacheConfig,
@@ -73,8 +87,12 @@ def cache_config(cache: object, pipeline: object | None = None, threshold: float
         return FirstBlockCacheConfig(threshold=0.05 if threshold is None else threshold)
     if threshold is not None:
         raise ValueError(f"cache_threshold applies to cache='first_block', not {cache!r}")
+    # Checked on the class: diffusers' pipelines set the property's value only inside __call__.
+    timesteps = (
+        cast(_TimestepSource, pipeline) if hasattr(type(pipeline), "current_timestep") else None
+    )
     if cache == "pab":
-        if pipeline is None:
+        if timesteps is None:
             raise ValueError(
                 "cache='pab' reads the pipeline's current timestep: pass the pipeline, or a "
                 "PyramidAttentionBroadcastConfig with current_timestep_callback"
@@ -82,14 +100,14 @@ def cache_config(cache: object, pipeline: object | None = None, threshold: float
         return PyramidAttentionBroadcastConfig(
             spatial_attention_block_skip_range=2,
             spatial_attention_timestep_skip_range=(100, 800),
-            current_timestep_callback=lambda: pipeline.current_timestep,
+            current_timestep_callback=lambda: timesteps.current_timestep,
         )
     if cache == "taylorseer":
         # diffusers' default patterns ("^blocks.*attn", matched whole) miss Wan's "attn1"/"attn2",
         # so name the blocks: their outputs are predicted from the Taylor factors.
         return TaylorSeerCacheConfig(cache_identifiers=[r"blocks\.\d+"])
     if cache == "faster":
-        if pipeline is None:
+        if timesteps is None:
             raise ValueError(
                 "cache='faster' reads the pipeline's current timestep: pass the pipeline, or a "
                 "FasterCacheConfig with current_timestep_callback"
@@ -99,7 +117,7 @@ def cache_config(cache: object, pipeline: object | None = None, threshold: float
         return FasterCacheConfig(
             spatial_attention_block_skip_range=2,
             spatial_attention_timestep_skip_range=(-1, 681),
-            current_timestep_callback=lambda: pipeline.current_timestep,
+            current_timestep_callback=lambda: timesteps.current_timestep,
             attention_weight_callback=lambda _module: 0.5,
             is_guidance_distilled=True,
             tensor_format="BCFHW",
@@ -128,7 +146,7 @@ def composes_with_sequence_parallel(config: object) -> bool:
     }
 
 
-def sequence_parallel_of(model: torch.nn.Module):
+def sequence_parallel_of(model: torch.nn.Module) -> SequenceParallel | None:
     """The model's liteboost sequence-parallel exchange, None when it runs on one rank."""
     from liteboost.parallel.sequence import SequenceParallel
 
@@ -150,7 +168,9 @@ def check_composes(model: torch.nn.Module, config: object | None) -> None:
         )
 
 
-def _group_wide_first_block_decision(hook, model: torch.nn.Module) -> Callable:
+def _group_wide_first_block_decision(
+    hook: Any, model: torch.nn.Module
+) -> Callable[[torch.Tensor], bool]:
     """Replacement for ``FBCHeadBlockHook._should_compute_remaining_blocks`` (see module doc)."""
     single = hook._should_compute_remaining_blocks
 
@@ -163,7 +183,9 @@ def _group_wide_first_block_decision(hook, model: torch.nn.Module) -> Callable:
         previous = state.head_block_residual
         if previous is None:
             return True
-        context = model._liteboost_state.context
+        from liteboost.models.wan import _state
+
+        context = _state(model).context
         real = min(max(context.seq_len - sp.rank * context.shard_len, 0), residual.shape[1])
         sums = torch.stack(
             [
@@ -229,7 +251,8 @@ def _faster_cache_per_branch(model: torch.nn.Module) -> None:
                     {"state": property(_branch_state), "reset_state": _reset_branch_states},
                 )
             hook._liteboost_state_cls = type(hook.__dict__.pop("state"))
-            hook.state_manager = StateManager(_ContextOnly)
+            # diffusers annotates state_cls as a BaseState instance; it is the class it builds.
+            hook.state_manager = StateManager(_ContextOnly)  # type: ignore[arg-type]
             hook.__class__ = _PER_BRANCH[cls]
     HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
 
@@ -254,7 +277,9 @@ def apply_cache(model: torch.nn.Module, config: object) -> CacheHandle:
         TypeError: the model has no ``enable_cache`` (not a diffusers CacheMixin model).
         ValueError: the cache does not compose with the model's sequence parallelism.
     """
-    if not hasattr(model, "enable_cache"):
+    from diffusers.models.cache_utils import CacheMixin
+
+    if not isinstance(model, CacheMixin):
         raise TypeError(f"{type(model).__name__} has no diffusers cache support (enable_cache)")
     check_composes(model, config)
     faster = type(config).__name__ == "FasterCacheConfig"
@@ -271,12 +296,16 @@ def apply_cache(model: torch.nn.Module, config: object) -> CacheHandle:
         _faster_cache_per_branch(model)
     if type(config).__name__ == "FirstBlockCacheConfig":
         from diffusers.hooks import HookRegistry
+        from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 
-        for block in model.blocks[:1]:
+        blocks = model.blocks
+        assert isinstance(blocks, torch.nn.ModuleList), type(blocks)
+        for block in blocks[:1]:
             hook = HookRegistry.check_if_exists_or_initialize(block).get_hook(_FBC_HEAD_HOOK)
-            if hook is not None:
-                hook._should_compute_remaining_blocks = _group_wide_first_block_decision(
-                    hook, model
-                )
-    model._liteboost_cache = config
+            if isinstance(hook, FBCHeadBlockHook):
+                # An instance attribute shadows the method for this hook only.
+                decide = _group_wide_first_block_decision(hook, model)
+                hook._should_compute_remaining_blocks = decide
+    # nn.Module types attribute assignment as Tensor | Module; any value is stored as given.
+    model._liteboost_cache = config  # type: ignore[assignment]
     return CacheHandle(model, config)

@@ -71,8 +71,9 @@ def _vae_scales(vae: dict) -> tuple[int, int]:
 def tiny_model_facts() -> ModelFacts:
     """Facts of the built-in tiny random-weight Wan."""
     spatial, temporal = _vae_scales(TINY_VAE)
+    frames, height, width = TINY_TRANSFORMER["patch_size"]
     return ModelFacts(
-        patch_size=tuple(TINY_TRANSFORMER["patch_size"]),
+        patch_size=(frames, height, width),
         head_dim=int(TINY_TRANSFORMER["attention_head_dim"]),
         scale_spatial=spatial,
         scale_temporal=temporal,
@@ -120,14 +121,21 @@ def model_facts(model: str | None) -> ModelFacts:
     transformer = _read_json(folder / "transformer" / "config.json", "--model", folder)
     vae = _read_json(folder / "vae" / "config.json", "--model", folder)
     try:
-        patch = tuple(int(x) for x in transformer["patch_size"])
+        patch = [int(x) for x in transformer["patch_size"]]
         head_dim = int(transformer["attention_head_dim"])
     except (KeyError, TypeError, ValueError) as exc:
         raise PreflightError(
             "--model", f"{folder}/transformer/config.json lacks a usable {exc}"
         ) from None
+    if len(patch) != 3:
+        raise PreflightError(
+            "--model",
+            f"{folder}/transformer/config.json has patch_size {patch}; expected three "
+            "(frames, height, width) sizes",
+        )
+    frames, height, width = patch
     spatial, temporal = _vae_scales(vae)
-    return ModelFacts(patch, head_dim, spatial, temporal)
+    return ModelFacts((frames, height, width), head_dim, spatial, temporal)
 
 
 def check_size(height: int, width: int, frames: int, facts: ModelFacts) -> None:

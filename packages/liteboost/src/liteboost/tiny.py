@@ -7,9 +7,17 @@ needs no download. Its output is noise-like by construction (random weights).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
-TINY_TRANSFORMER = dict(
+if TYPE_CHECKING:  # imported lazily at run time: importing liteboost must stay cheap
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+
+# Keyword arguments for the diffusers / transformers config constructors (mixed value types).
+TINY_TRANSFORMER: dict[str, Any] = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
     attention_head_dim=12,
@@ -21,7 +29,7 @@ TINY_TRANSFORMER = dict(
     num_layers=2,
     rope_max_seq_len=32,
 )
-TINY_VAE = dict(
+TINY_VAE: dict[str, Any] = dict(
     base_dim=8,
     z_dim=4,
     dim_mult=[1, 2, 2, 2],
@@ -30,7 +38,7 @@ TINY_VAE = dict(
     latents_mean=[0.0] * 4,
     latents_std=[1.0] * 4,
 )
-TINY_TEXT_ENCODER = dict(
+TINY_TEXT_ENCODER: dict[str, Any] = dict(
     vocab_size=384,
     d_model=16,
     d_kv=4,
@@ -41,25 +49,26 @@ TINY_TEXT_ENCODER = dict(
 )
 
 
-def build_tiny_transformer(seed: int = 0, **overrides):
+def build_tiny_transformer(seed: int = 0, **overrides: Any) -> WanTransformer3DModel:
     """WanTransformer3DModel with the tiny config (``overrides`` change single fields)."""
-    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
     torch.manual_seed(seed)
     return WanTransformer3DModel(**{**TINY_TRANSFORMER, **overrides}).eval()
 
 
-def build_tiny_vae(seed: int = 0):
+def build_tiny_vae(seed: int = 0) -> AutoencoderKLWan:
     """AutoencoderKLWan with the tiny config: 8x spatial, 4x temporal compression."""
-    from diffusers import AutoencoderKLWan
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
     torch.manual_seed(seed)
     return AutoencoderKLWan(**TINY_VAE).eval()
 
 
-def build_tiny_pipeline(seed: int = 0):
+def build_tiny_pipeline(seed: int = 0) -> WanPipeline:
     """WanPipeline from tiny components: nothing is downloaded."""
-    from diffusers import UniPCMultistepScheduler, WanPipeline
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+    from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
@@ -68,7 +77,9 @@ def build_tiny_pipeline(seed: int = 0):
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
     )
     return WanPipeline(
-        tokenizer=ByT5Tokenizer(),
+        # diffusers annotates `tokenizer` as the AutoTokenizer factory class, which no tokenizer
+        # instance is; the pipeline only calls the tokenizer.
+        tokenizer=ByT5Tokenizer(),  # type: ignore[arg-type]
         text_encoder=text_encoder,
         vae=build_tiny_vae(seed),
         scheduler=scheduler,

@@ -10,6 +10,7 @@ Cross-attention (text and the I2V image branch) always runs dense and unsharded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,6 +22,16 @@ from liteboost.ops.sparse_attention import sparse_attention
 # Wan's text encoder context length; the I2V image tokens come before it (diffusers hard-codes
 # the same number in WanAttnProcessor).
 _TEXT_CONTEXT = 512
+
+
+class HeadExchange(Protocol):
+    """The self-attention exchange of a sequence-parallel layout (``UlyssesExchange`` and
+    ``SequenceParallel`` provide it): sequence shard -> whole sequence of a head shard, and back.
+    """
+
+    def scatter_heads(self, x: torch.Tensor, seq_len: int) -> torch.Tensor: ...
+
+    def gather_heads(self, x: torch.Tensor, shard_len: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -39,7 +50,7 @@ class AttentionSettings:
     block_size: int = 128
     attention_backend: str | None = None
     sparse_kernel: str | None = None
-    ulysses: object | None = None
+    ulysses: HeadExchange | None = None
 
 
 def _rotate_diffusers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

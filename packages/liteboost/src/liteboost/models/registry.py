@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -23,17 +23,20 @@ class Handle(Protocol):
 
 
 PlanFn = Callable[[torch.nn.Module, Any], Handle]
+ParallelPlanFn = Callable[[torch.nn.Module, Any], Handle | None]
+"""A parallel plan returns None when there is nothing to do (every degree 1, one rank)."""
+_Fn = TypeVar("_Fn", PlanFn, ParallelPlanFn)
 
 _BOOSTS: dict[str, PlanFn] = {}
-_PARALLEL: dict[str, PlanFn] = {}
+_PARALLEL: dict[str, ParallelPlanFn] = {}
 
 
 class UnsupportedModelError(TypeError):
     """No liteboost plan is registered for a model class."""
 
 
-def _register(table: dict[str, PlanFn], kind: str, class_name: str) -> Callable[[PlanFn], PlanFn]:
-    def decorator(fn: PlanFn) -> PlanFn:
+def _register(table: dict[str, _Fn], kind: str, class_name: str) -> Callable[[_Fn], _Fn]:
+    def decorator(fn: _Fn) -> _Fn:
         if class_name in table and table[class_name] is not fn:
             raise ValueError(f"a {kind} plan for {class_name} is already registered")
         table[class_name] = fn
@@ -47,8 +50,8 @@ def register_boost(class_name: str) -> Callable[[PlanFn], PlanFn]:
     return _register(_BOOSTS, "boost", class_name)
 
 
-def register_parallel(class_name: str) -> Callable[[PlanFn], PlanFn]:
-    """Register ``fn(model, settings) -> Handle`` as the multi-rank plan of ``class_name``."""
+def register_parallel(class_name: str) -> Callable[[ParallelPlanFn], ParallelPlanFn]:
+    """Register ``fn(model, settings) -> Handle | None`` as the parallel plan of ``class_name``."""
     return _register(_PARALLEL, "parallel", class_name)
 
 
@@ -79,7 +82,7 @@ def supported_parallel() -> list[str]:
     return sorted(_PARALLEL)
 
 
-def _find(table: dict[str, PlanFn], model: object) -> PlanFn | None:
+def _find(table: dict[str, _Fn], model: object) -> _Fn | None:
     _load_builtins()
     for cls in type(model).__mro__:
         if cls.__name__ in table:
@@ -92,7 +95,7 @@ def find_boost(model: object) -> PlanFn | None:
     return _find(_BOOSTS, model)
 
 
-def find_parallel(model: object) -> PlanFn | None:
+def find_parallel(model: object) -> ParallelPlanFn | None:
     """The parallel plan for ``model``'s class (or a base class), None when there is none."""
     return _find(_PARALLEL, model)
 

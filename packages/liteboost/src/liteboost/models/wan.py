@@ -19,7 +19,7 @@ from liteboost.attention.processor import AttentionSettings, BoostedWanAttnProce
 from liteboost.models.registry import register_boost, register_parallel
 from liteboost.ops.rope import RopeTables, rope_tables
 from liteboost.parallel import vae_dp
-from liteboost.parallel.ulysses import UlyssesExchange
+from liteboost.parallel.ulysses import TokenShards
 
 # Wan builds WanRotaryPosEmbed with its default theta.
 _WAN_ROPE_THETA = 10000.0
@@ -49,10 +49,11 @@ class _CachedRopeHook(ModelHook):
         super().__init__()
         self.context, self.head_dim = context, head_dim
 
-    def new_forward(self, module, hidden_states):
-        return rope_tables(
-            self.head_dim, self.context.grid, theta=_WAN_ROPE_THETA, device=hidden_states.device
-        )
+    def new_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor) -> RopeTables:
+        grid = self.context.grid
+        if grid is None:  # the grid hook runs first on every transformer forward
+            raise RuntimeError("liteboost's RoPE cache ran before the transformer's grid hook")
+        return rope_tables(self.head_dim, grid, theta=_WAN_ROPE_THETA, device=hidden_states.device)
 
 
 def _pad_rotary(rotary, total: int):
@@ -70,7 +71,7 @@ def _pad_rotary(rotary, total: int):
 class _UlyssesBlockHook(ModelHook):
     """Shards a block's inputs along the sequence; the first block also shards hidden states."""
 
-    def __init__(self, context: ForwardContext, exchange: UlyssesExchange, first: bool, last: bool):
+    def __init__(self, context: ForwardContext, exchange: TokenShards, first: bool, last: bool):
         super().__init__()
         self.context, self.exchange, self.first, self.last = context, exchange, first, last
 
@@ -124,6 +125,14 @@ def _attach(model, user: str) -> WanTransformerState:
         registry.register_hook(_GridHook(state.context, model.config.patch_size), "liteboost.grid")
     state.users.add(user)
     return state
+
+
+def _grid_hook(model: torch.nn.Module) -> _GridHook:
+    """The transformer's grid hook, installed by :func:`_attach`."""
+    hook = HookRegistry.check_if_exists_or_initialize(model).get_hook("liteboost.grid")
+    if not isinstance(hook, _GridHook):
+        raise RuntimeError(f"{type(model).__name__} has no liteboost grid hook (not attached)")
+    return hook
 
 
 def _detach(model, user: str) -> None:

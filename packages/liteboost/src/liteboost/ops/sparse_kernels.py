@@ -97,7 +97,7 @@ def _npu_installed() -> str | None:
     return None if npu_op() is not None else "torch_npu with npu_rain_fusion_attention missing"
 
 
-for _plugin in (
+_PLUGINS: tuple[Plugin[SparseKernelFn, SparseCall], ...] = (
     # Ascend's RainFusionAttention; forward only as far as this project verified (no NPU here).
     Plugin(
         SparseKernel.NPU.value,
@@ -133,7 +133,8 @@ for _plugin in (
         SparseConstraints(None, _FLOATS, auto_devices=()),
         priority=90,
     ),
-):
+)
+for _plugin in _PLUGINS:
     SPARSE_KERNELS.register(_plugin)
 
 

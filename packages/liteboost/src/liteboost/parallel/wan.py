@@ -28,7 +28,14 @@ from diffusers.hooks.hooks import BaseState, StateManager
 
 from liteboost.attention.processor import BoostedWanAttnProcessor
 from liteboost.cache import composes_with_sequence_parallel
-from liteboost.models.wan import _attach, _detach, _state, _UlyssesBlockHook
+from liteboost.models.wan import (
+    WanTransformerState,
+    _attach,
+    _detach,
+    _grid_hook,
+    _state,
+    _UlyssesBlockHook,
+)
 from liteboost.parallel.sequence import SequenceParallel
 
 _CFG_HOOK = "liteboost.cfg"
@@ -95,7 +102,8 @@ class CfgParallelHook(ModelHook):
         self.group = group
         self.pipeline = pipeline
         self.out_channels = out_channels
-        self.state_manager = StateManager(_NoState)
+        # diffusers annotates state_cls as a BaseState instance; it is the class it builds.
+        self.state_manager = StateManager(_NoState)  # type: ignore[arg-type]
         self.mine = BRANCHES[dist.get_rank(group)]
         self.pending: dict[str, torch.Tensor] = {}
         self.exchanges = 0
@@ -110,15 +118,18 @@ class CfgParallelHook(ModelHook):
         return name
 
     def new_forward(self, module, *args, **kwargs):
+        forward = None if self.fn_ref is None else self.fn_ref.original_forward
+        if forward is None:  # both set by HookRegistry.register_hook
+            raise RuntimeError("CfgParallelHook called before it was registered")
         branch = self._branch()
         if branch is None:
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         if branch in self.pending:
             raise RuntimeError(
                 f"CFG parallel saw two {branch!r} calls without the other branch in between"
             )
         if branch == self.mine:
-            output = self.fn_ref.original_forward(*args, **kwargs)
+            output = forward(*args, **kwargs)
             sample = output[0] if isinstance(output, tuple) else output.sample
         else:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -178,7 +189,7 @@ class WanParallelHandle:
         HookRegistry.check_if_exists_or_initialize(model.norm_out).remove_hook(
             _GATHER_HOOK, recurse=False
         )
-        HookRegistry.check_if_exists_or_initialize(model).get_hook("liteboost.grid").world = 1
+        _grid_hook(model).world = 1
         if state.users - {"parallel"}:
             # Others (the boost) still use the processors: back to the single-device one.
             model.set_attn_processor(BoostedWanAttnProcessor(state.settings, state.context))
@@ -209,8 +220,8 @@ def parallelize_transformer(model, config) -> WanParallelHandle | None:
             f"the transformer's {type(cached).__name__} decides from data each sequence-parallel "
             "rank holds only a shard of; remove that cache before ulysses_degree/ring_degree > 1"
         )
-    sparsity = getattr(getattr(model, "_liteboost_state", None), "settings", None)
-    sparsity = getattr(sparsity, "sparsity", 0.0)
+    boosted = getattr(model, "_liteboost_state", None)
+    sparsity = boosted.settings.sparsity if isinstance(boosted, WanTransformerState) else 0.0
     if config.ring_degree > 1 and sparsity > 0:
         raise ValueError(
             f"ring_degree={config.ring_degree} on a transformer boosted with sparsity={sparsity}: "
@@ -228,8 +239,7 @@ def parallelize_transformer(model, config) -> WanParallelHandle | None:
         state = _attach(model, "parallel")
         state.settings.ulysses = sp
         model.set_attn_processor(HybridWanAttnProcessor(state.settings, state.context))
-        grid = HookRegistry.check_if_exists_or_initialize(model).get_hook("liteboost.grid")
-        grid.world = sp.degree
+        _grid_hook(model).world = sp.degree
         HookRegistry.check_if_exists_or_initialize(model.patch_embedding).register_hook(
             _ShardTokensHook(state.context, sp), _SHARD_HOOK
         )
@@ -241,8 +251,8 @@ def parallelize_transformer(model, config) -> WanParallelHandle | None:
             HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, _BLOCK_HOOK)
     if cfg:
         out_channels = model.config.out_channels or model.config.in_channels
-        hook = CfgParallelHook(config.cfg_group, config.pipeline, out_channels)
+        cfg_hook = CfgParallelHook(config.cfg_group, config.pipeline, out_channels)
         registry = HookRegistry.check_if_exists_or_initialize(model)
-        registry.register_hook(hook, _CFG_HOOK)
+        registry.register_hook(cfg_hook, _CFG_HOOK)
         registry.invalidate_child_registries_cache()
     return handle
