@@ -48,7 +48,7 @@ from mfusion.machine import MachineProfile
 from npu_core.bench import BenchTable, Timing, calls_per_sample, compare, measure
 
 MODES = ("infer-fp32", "infer-bf16", "train-fp32", "train-bf16")
-OWN_LOSS = {"llama", "qwen3", "mistral"}
+OWN_LOSS = {"llama", "qwen3", "mistral", "llama_eager"}
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -154,7 +154,7 @@ def _resnet18(train: bool):
     return model, (torch.randn(BATCH, 3, 64, 64),)
 
 
-def _decoder(config_cls: str, model_cls: str, **extra: object):
+def _decoder(config_cls: str, model_cls: str, seq: int = SEQ, **extra: object):
     def build(train: bool):
         import transformers
 
@@ -165,11 +165,11 @@ def _decoder(config_cls: str, model_cls: str, **extra: object):
             num_hidden_layers=LAYERS,
             num_attention_heads=HEADS,
             num_key_value_heads=2,
-            max_position_embeddings=SEQ,
+            max_position_embeddings=seq,
             **extra,
         )
         model = getattr(transformers, model_cls)(config)
-        ids = _ids()
+        ids = _ids(seq)
         if train:  # the library's own shifted cross-entropy over the vocabulary
             return Pick(model, "loss", ("input_ids", "labels")), (ids, ids.clone())
         return Pick(model, "logits", ("input_ids",)), (ids,)
@@ -213,6 +213,12 @@ MODELS: dict[str, Spec] = {
     "qwen3": Spec(_decoder("Qwen3Config", "Qwen3ForCausalLM", head_dim=64), "transformer"),
     "mistral": Spec(
         _decoder("MistralConfig", "MistralForCausalLM", sliding_window=None), "transformer"
+    ),
+    # The library's eager attention (attn_implementation="eager": models without SDPA support,
+    # output_attentions=True), at 512 tokens: the form Inductor's own SDPA patterns miss.
+    "llama_eager": Spec(
+        _decoder("LlamaConfig", "LlamaForCausalLM", seq=512, attn_implementation="eager"),
+        "transformer",
     ),
     "dit": Spec(_dit, "transformer"),
     "resnet18": Spec(_resnet18, "conv"),

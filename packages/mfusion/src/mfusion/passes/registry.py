@@ -15,6 +15,7 @@ PASS_REGISTRY: dict[str, str] = {
     "layernorm": "mfusion.passes.layernorm:LayerNormPass",
     "meanvar": "mfusion.passes.meanvar:MeanVarPass",
     "rope": "mfusion.passes.rope:RoPEPass",
+    "attention": "mfusion.passes.attention:AttentionPass",
     "gelu": "mfusion.passes.gelu:GELUPass",
     "swiglu": "mfusion.passes.swiglu:SwiGLUPass",
     "patch_conv": "mfusion.passes.patch_conv:PatchConvPass",

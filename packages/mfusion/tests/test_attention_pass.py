@@ -1,0 +1,174 @@
+"""Attention pass: transformers-style eager attention (matmul, scale, additive mask, fp32 softmax,
+matmul, grouped K/V) becomes one CPU flash-attention call; near misses and unmeasured cases are
+refused; results match eager and a float64 reference."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+aten = torch.ops.aten
+FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+B, HEADS, KV_HEADS, DIM = 1, 4, 2, 16
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """transformers' ``repeat_kv``: grouped K/V heads expanded to the query heads."""
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def eager_attention(q, k, v, mask, *, scale=0.25, divide=False, probs_too=False, dim=-1):
+    """transformers' ``eager_attention_forward`` (Llama family), dropout off."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    scores = torch.matmul(q, k.transpose(2, 3))
+    scores = scores / (1 / scale) if divide else scores * scale
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=dim, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(weights, v)
+    return (out, weights) if probs_too else out
+
+
+def causal_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
+    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return torch.zeros(B, 1, length, length).masked_fill(blocked, torch.finfo(dtype).min).to(dtype)
+
+
+def inputs(length: int, dtype: torch.dtype, masked: bool = True):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, HEADS, length, DIM, generator=gen).to(dtype)
+    k = torch.randn(B, KV_HEADS, length, DIM, generator=gen).to(dtype)
+    v = torch.randn(B, KV_HEADS, length, DIM, generator=gen).to(dtype)
+    return q, k, v, causal_mask(length, dtype) if masked else None
+
+
+def trace(fn, q, k, v, mask):
+    """``fn(q, k, v, mask)`` (the mask a graph input, as in a compiled model) traced with
+    Inductor's decompositions, so softmax is amax/sub/exp/sum/div and matmul is
+    expand/reshape/bmm, as in Inductor's post-grad graph."""
+    args = (q, k, v) if mask is None else (q, k, v, mask)
+
+    def call(q, k, v, *rest):
+        return fn(q, k, v, rest[0] if rest else None)
+
+    return make_fx(call, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+
+
+def run(gm, q, k, v, mask):
+    return gm(q, k, v) if mask is None else gm(q, k, v, mask)
+
+
+def reference(q, k, v, mask):
+    """float64 SDPA from stock PyTorch (independent of the traced eager form)."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep).double(), repeat_kv(v, n_rep).double()
+    m = mask.double() if mask is not None else None
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k, v, attn_mask=m, scale=0.25
+    )
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "unmasked"])
+@pytest.mark.parametrize("divide", [False, True], ids=["mul-scale", "div-scale"])
+def test_eager_attention_becomes_flash(harness, masked, divide):
+    q, k, v, mask = inputs(512, torch.float32, masked)
+    fn = functools.partial(eager_attention, divide=divide)
+    gm = trace(fn, q, k, v, mask)
+    assert harness.count(gm, aten.bmm.default) == 2 and harness.count(gm, FLASH) == 0
+    record = harness.apply(gm, "attention")
+    assert record.rewritten("attention") == 1, record.summary()
+    assert harness.count(gm, aten.bmm.default) == 0 and harness.count(gm, FLASH) == 1
+    assert harness.count(gm, aten.amax.default) == 0 and harness.count(gm, aten.exp.default) == 0
+    out = run(gm, q, k, v, mask)
+    torch.testing.assert_close(out, fn(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_round_trip_is_matched_and_refused_as_unmeasured(harness):
+    """The bf16 form (fp32 softmax cast back) is recognised, but bf16 is not in MIN_KEYS."""
+    q, k, v, mask = inputs(512, torch.bfloat16)
+    gm = trace(eager_attention, q, k, v, mask)
+    record = harness.apply(gm, "attention")
+    assert record.rewritten() == 0
+    assert any("not measured to pay" in d.reason for d in record.refused("attention"))
+    assert harness.count(gm, aten.bmm.default) == 2
+
+
+def test_bf16_rewrite_is_accurate_where_allowed(harness, monkeypatch):
+    """With bf16 admitted, the rewrite stays within bf16 rounding of the float64 reference, no
+    further than eager bf16 itself (flash keeps the scores in fp32)."""
+    from mfusion.passes import attention
+
+    monkeypatch.setitem(attention.MIN_KEYS, torch.bfloat16, 1)
+    q, k, v, mask = inputs(256, torch.bfloat16)
+    gm = trace(eager_attention, q, k, v, mask)
+    assert harness.apply(gm, "attention").rewritten("attention") == 1
+    ref = reference(q, k, v, mask)
+    err = (run(gm, q, k, v, mask).double() - ref).abs().max().item()
+    eager_err = (eager_attention(q, k, v, mask).double() - ref).abs().max().item()
+    assert err <= max(eager_err, 1e-2), (err, eager_err)
+
+
+@pytest.mark.parametrize(
+    ("length", "kwargs", "reason"),
+    [
+        (128, {}, "key length 128 < 512"),
+        (512, {"probs_too": True}, "used elsewhere"),
+    ],
+    ids=["short-keys", "probabilities-returned"],
+)
+def test_refusals(harness, length, kwargs, reason):
+    q, k, v, mask = inputs(length, torch.float32)
+    fn = functools.partial(eager_attention, **kwargs)
+    gm = trace(fn, q, k, v, mask)
+    record = harness.apply(gm, "attention")
+    assert record.rewritten() == 0
+    assert any(reason in d.reason for d in record.refused("attention")), record.summary()
+    assert harness.count(gm, FLASH) == 0
+    torch.testing.assert_close(run(gm, q, k, v, mask), fn(q, k, v, mask))
+
+
+def test_softmax_over_queries_is_not_attention(harness):
+    """softmax over dim -2 (not the keys) is left alone without a refusal."""
+    q, k, v, mask = inputs(512, torch.float32)
+    fn = functools.partial(eager_attention, dim=-2)
+    gm = trace(fn, q, k, v, mask)
+    record = harness.apply(gm, "attention")
+    assert record.rewritten() == 0 and not record.refused("attention")
+    torch.testing.assert_close(run(gm, q, k, v, mask), fn(q, k, v, mask))
+
+
+def test_mask_over_heads_and_batch_is_passed_through(harness):
+    """A full [B, H, L, S] mask (e.g. padding per head) is kept as the flash call's mask."""
+    q, k, v, _ = inputs(512, torch.float32)
+    mask = torch.randn(B, HEADS, 512, 512)
+    gm = trace(eager_attention, q, k, v, mask)
+    assert harness.apply(gm, "attention").rewritten("attention") == 1
+    torch.testing.assert_close(
+        run(gm, q, k, v, mask).double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_compiled_eager_attention_runs_flash_and_matches_eager():
+    """Through torch.compile: Inductor's own SDPA patterns leave this form alone (the pass
+    finds it in the real post-grad graph) and the compiled result equals eager."""
+    import mfusion
+
+    q, k, v, mask = inputs(512, torch.float32)
+    torch._dynamo.reset()
+    with (
+        mfusion.enabled(backend="inductor", passes=["attention"], auto_fuse=False),
+        torch.no_grad(),
+    ):
+        out = torch.compile(eager_attention)(q, k, v, mask)
+    report = mfusion.report()
+    assert sum(graph.rewritten("attention") for graph in report) == 1, str(report)
+    torch.testing.assert_close(out, eager_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
