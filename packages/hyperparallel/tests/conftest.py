@@ -53,6 +53,40 @@ def tiny_hf_shape() -> dict[str, int]:
     return dict(TINY_HF_SHAPE)
 
 
+def _torch_optimizer_step(
+    model: nn.Module, grads: dict[str, torch.Tensor], muon: dict, adamw: dict
+) -> dict[str, torch.Tensor]:
+    """``model``'s weights (copied, the model is unchanged) stepped once with ``grads`` by
+    torch.optim.Muon (adjust_lr_fn="original"; each expert of a ``[E, M, N]`` stack its own
+    matrix) and torch.optim.AdamW, routed by ``model.routing()`` (a CausalLM)."""
+    routing = model.routing()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    views, leaves = [], []
+    for name in routing.muon:
+        stack, grad = params[name], grads[name]
+        if stack.ndim == 2:
+            stack, grad = stack[None], grad[None]
+        for view, g in zip(stack.unbind(0), grad.unbind(0), strict=True):
+            leaf = view.clone().requires_grad_()
+            leaf.grad = g
+            views.append(view)
+            leaves.append(leaf)
+    torch.optim.Muon(leaves, adjust_lr_fn="original", **muon).step()
+    for view, leaf in zip(views, leaves, strict=True):
+        view.copy_(leaf.detach())  # writes back into the stacks
+    stepped = [params[n].requires_grad_() for n in routing.adamw]
+    for p, name in zip(stepped, routing.adamw, strict=True):
+        p.grad = grads[name]
+    torch.optim.AdamW(stepped, **adamw).step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+@pytest.fixture
+def torch_optimizer_step() -> Callable[..., dict[str, torch.Tensor]]:
+    """The independent reference of one hyperparallel Muon + AdamW step (see the helper)."""
+    return _torch_optimizer_step
+
+
 class MixedShapes(nn.Module):
     """Mixed shapes for distributed Muon: uneven rows (5 and 3 on 4 ranks leave empty shards),
     experts ``[4, 6, 5]``, a conv weight. Module-level so that ranks unpickle it by name."""

@@ -77,7 +77,8 @@ def train(
     tokenizer files) or a config.json file, e.g. `--model ./Qwen3-0.6B --mesh fsdp`. Dense,
     MoE and MLA+MoE families (Llama, Qwen3, Qwen3-MoE, Qwen3-Next, GLM-4.5, gpt-oss, MiniMax-M2,
     DeepSeek-V3, Gemma 3, Phi-3) train with FSDP2/HSDP per decoder block, Muon for hidden
-    matrices and expert stacks, AdamW for the rest; pp and ep meshes are refused. Weights load
+    matrices and expert stacks, AdamW for the rest; MoE families also with ep (experts
+    sharded, tokens by all-to-all, e.g. --mesh ep=2,dp_shard=2); pp meshes are refused. Weights load
     when the folder has them (else random from --seed; --set hf.overrides={...} changes the
     shape); the folder's tokenizer is used when it has one, else bytes.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,40 @@ def test_resume_continues_with_identical_losses(tiny_moe: Path, full_run, tmp_pa
     assert resumed == full  # metrics.json keeps steps 1-4 and appends 5-8
 
 
+@pytest.fixture(scope="module")
+def ep_run(tiny_moe: Path, tmp_path_factory) -> tuple[Path, list[float]]:
+    """The same model with its experts sharded over ep=2 (the rest FSDP2 over ep x dp_shard),
+    4 steps with a checkpoint every 2."""
+    out = tmp_path_factory.mktemp("ep")
+    return out, _train(tiny_moe, out, "--mesh", "ep=2", "--set", "checkpoint_every=2", steps=4)
+
+
+@pytest.mark.distributed
+def test_expert_parallel_losses_equal_the_fsdp_run(full_run, ep_run):
+    """Same data, same global batch: the first-step loss equals the FSDP2 run's (itself checked
+    against the single-process library forward above) within 1e-4, the next steps within
+    1e-3 (the 4 steps are in warm-up, so the 8-step run's lr is the same)."""
+    (_, fsdp), (out, ep) = full_run, ep_run
+    assert abs(ep[0] - fsdp[0]) < 1e-4
+    assert max(abs(a - b) for a, b in zip(ep, fsdp[:4], strict=False)) < 1e-3
+    assert ep != fsdp[:4]  # a different layout really ran (all-to-all sums in another order)
+    assert (out / "checkpoints" / "latest").read_text() == "step_0000004"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # a third CLI run (~50 s on the loaded 2-core machine)
+def test_expert_parallel_resume_is_exact(tiny_moe: Path, ep_run, tmp_path: Path):
+    """A run stopped after its step-2 checkpoint resumes to the uninterrupted run's losses
+    (expert DTensors and their optimizer state through DCP)."""
+    out, losses = ep_run
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_0000004")
+    resumed = _train(
+        tiny_moe, tmp_path, "--mesh", "ep=2", "--set", "checkpoint_every=2", "--resume", steps=4
+    )
+    assert resumed == losses
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -128,19 +163,26 @@ def test_resume_continues_with_identical_losses(tiny_moe: Path, full_run, tmp_pa
             "data.seq_len=65 exceeds max_position_embeddings=64",
         ),
         (["--model", "{moe}", "--mesh", "pp=2"], "pp=2 is not supported with --model"),
-        (["--model", "{moe}", "--mesh", "ep=2"], "ep=2 is not supported with --model"),
+        (
+            ["--model", "{moe3}", "--mesh", "ep=2"],
+            "--model num_local_experts=3 must be divisible by ep x dp_shard = 2 x 1",
+        ),
+        (["--model", "{dense}", "--mesh", "ep=2"], "ep=2 needs a MoE model, and Qwen3ForCausalLM"),
         (["--model", "{moe}", "--load-weights"], "holds no *.safetensors"),
         (["--model", "{moe}", "--set", "hf.overrides={{n_layers=1}}"], "n_layers not a field"),
         (["--model", "{moe}", "--tokenizer", "{tmp}/none"], "--tokenizer {tmp}/none: not a"),
     ],
 )
 def test_bad_model_settings_are_refused_in_one_line(
-    args: list[str], message: str, tiny_moe: Path, tmp_path: Path
+    args: list[str], message: str, tiny_moe: Path, tmp_path: Path, tiny_hf_shape: dict
 ):
     (tmp_path / "notes.txt").write_text("not a config")
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(gpt2)
-    names = {"tmp": tmp_path, "moe": tiny_moe, "gpt2": gpt2}
+    moe3, dense = tmp_path / "moe3", tmp_path / "dense"
+    transformers.Qwen3MoeConfig(**tiny_hf_shape, **{**MOE, "num_experts": 3}).save_pretrained(moe3)
+    transformers.Qwen3Config(**tiny_hf_shape).save_pretrained(dense)
+    names = {"tmp": tmp_path, "moe": tiny_moe, "gpt2": gpt2, "moe3": moe3, "dense": dense}
     out = tmp_path / "out"
     argv = ["train", "--preset", "debug", "--nproc", "2", "--out-dir", str(out)]
     argv += [a.format(**names) for a in args]
@@ -156,4 +198,5 @@ def test_help_explains_model():
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     text = " ".join(result.output.split())
-    assert "--model" in text and "config.json" in text and "pp and ep meshes are refused" in text
+    assert "--model" in text and "config.json" in text and "pp meshes are refused" in text
+    assert "--mesh ep=2,dp_shard=2" in text
