@@ -189,6 +189,13 @@ def _dit(train: bool):
         patch_size=2,
         num_embeds_ada_norm=1000,
     )
+    # Training mode drops class labels at random (classifier-free guidance), which no two runs
+    # (eager reference, compiled variants) would share: switch the label dropout off.
+    from diffusers.models.embeddings import LabelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, LabelEmbedding):
+            module.dropout_prob = 0.0
     model = Pick(model, "sample", ("hidden_states", "timestep", "class_labels"))
     return model, (
         torch.randn(BATCH, 4, 16, 16),
