@@ -31,8 +31,10 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def model_class(card: ModelCard) -> type:
+def model_class(card: ModelCard) -> type[Any]:
     """Import the card's architecture class from its library.
+
+    Typed ``type[Any]``: its constructor and ``from_pretrained`` belong to the library.
 
     Raises:
         LibraryMissingError: when the library is not installed.

@@ -21,12 +21,12 @@ import torch
 
 from modelzoo.build import build_model, resolve_dtype
 from modelzoo.checks import ARTEFACTS, InputError, check_out_dir, check_source, output_folder
-from modelzoo.examples.base import ExportWrapper, example_for
+from modelzoo.examples.base import ExportWrapper, example_for, model_config
 from modelzoo.schema import ModelCard
 from npu_core.files import atomic_path, sha256_file
 
 
-def _atomic_target(path: Path, write: Callable[[Path], None]) -> Path:
+def _atomic_target(path: Path, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it into place."""
     with atomic_path(path) as tmp:
         write(tmp)
@@ -39,9 +39,9 @@ def dynamic_shapes(card: ModelCard, inputs: dict[str, torch.Tensor]) -> dict[str
     Raises:
         ValueError: naming the input or dimension when the spec does not match the inputs.
     """
-    spec = card.convert.dynamic if card.convert else {}
-    if not spec:
+    if card.convert is None or not card.convert.dynamic:
         return None
+    spec, dim_max = card.convert.dynamic, card.convert.dim_max
     dims: dict[str, torch.export.Dim] = {}
     shapes: dict[str, Any] = {}
     for name, tensor in inputs.items():
@@ -53,8 +53,7 @@ def dynamic_shapes(card: ModelCard, inputs: dict[str, torch.Tensor]) -> dict[str
                     f"but the input has {tensor.dim()} dims"
                 )
         shapes[name] = {
-            i: dims.setdefault(n, torch.export.Dim(n, min=2, max=card.convert.dim_max))
-            for i, n in entry.items()
+            i: dims.setdefault(n, torch.export.Dim(n, min=2, max=dim_max)) for i, n in entry.items()
         } or None
     unknown = set(spec) - set(inputs)
     if unknown:
@@ -234,7 +233,10 @@ def _convert(
             written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
         if written != {k: tuple(v.shape) for k, v in state.items()}:
             raise RuntimeError(f"{card.id}: {artefact} does not hold the model's tensors")
-        config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
+        library_config = model_config(model)
+        config = (
+            library_config.to_dict() if hasattr(library_config, "to_dict") else dict(library_config)
+        )
         _atomic_target(
             out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2, default=str))
         )

@@ -83,7 +83,7 @@ def run(
     if card.example is None or card.convert is None:
         raise InputError(f"{card.id} is a listed card: it has no runnable example")
     torch_dtype = resolve_dtype(dtype or ("float32" if tiny else card.convert.dtype))
-    check_source(card, tiny=tiny, path=path)
+    folder = check_source(card, tiny=tiny, path=path)
     fusion = None
     if mfusion:
         from modelzoo.fusion import MFusionApplied
@@ -98,7 +98,8 @@ def run(
         if tiny:
             second = build_model(card, tiny=True, dtype=torch_dtype, seed=1)
         else:
-            second = _load_second_expert(card, Path(path), torch_dtype)
+            assert folder is not None  # check_source returns the folder when not tiny
+            second = _load_second_expert(card, folder, torch_dtype)
     boosted = {"applied": False, "reason": "disabled"}
     if boost:
         boosted = _apply_liteboost(card, model, tiny)

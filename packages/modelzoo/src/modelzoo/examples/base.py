@@ -68,6 +68,28 @@ def example_for(card: ModelCard) -> Example:
     return getattr(importlib.import_module(module), name)(card)
 
 
+def model_config(model: torch.nn.Module) -> Any:
+    """The model's library config (transformers ``PretrainedConfig``, diffusers ``FrozenDict``).
+
+    Its fields depend on the architecture, so they are read untyped; ``nn.Module.__getattr__``
+    would type the attribute as a tensor or submodule.
+    """
+    config: Any = model.config
+    return config
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The parameter dtype reported by the ``dtype`` property of transformers/diffusers models.
+
+    Raises:
+        TypeError: when ``model.dtype`` is not a ``torch.dtype`` (a submodule of that name).
+    """
+    dtype = model.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{type(model).__name__}.dtype is {dtype!r}, not a torch.dtype")
+    return dtype
+
+
 def seeded_ids(vocab: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     """Deterministic token ids in ``[3, vocab)`` (low ids are often special tokens)."""
     gen = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example
+from modelzoo.examples.base import Example, model_config, model_dtype
 from modelzoo.examples.denoise_inputs import builder_for
 
 
@@ -18,7 +18,9 @@ class Denoise(Example):
     """``steps`` Euler steps of FlowMatchEulerDiscreteScheduler on one latent."""
 
     def _build(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Any]:
-        return builder_for(self.card.architecture)(model.config, self.cfg, model.dtype)
+        return builder_for(self.card.architecture)(
+            model_config(model), self.cfg, model_dtype(model)
+        )
 
     def inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         inputs, spec = self._build(model)
@@ -35,7 +37,10 @@ class Denoise(Example):
         self, model: torch.nn.Module, *, second: torch.nn.Module | None = None, **_: Any
     ) -> dict[str, Any]:
         """Sample; ``second`` is the low-noise expert of a two-expert card (Wan2.2 A14B)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
+        # From its own module: diffusers' package __init__ gives type checkers the dummy class.
+        from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
+            FlowMatchEulerDiscreteScheduler,
+        )
 
         inputs, spec = self._build(model)
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from modelzoo.examples.base import Example, seeded_ids
+from modelzoo.examples.base import Example, model_config, model_dtype, seeded_ids
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
@@ -27,15 +27,19 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     return hidden[torch.arange(hidden.shape[0]), last]
 
 
+def _two_sequences(model: torch.nn.Module, seq: int) -> dict[str, torch.Tensor]:
+    """Two seeded sequences of ``seq`` tokens, the second one right-padded from ``seq // 2``."""
+    vocab = int(model_config(model).get_text_config().vocab_size)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, seq // 2 :] = 0
+    return {"input_ids": seeded_ids(vocab, (2, seq)), "attention_mask": mask}
+
+
 class Embedding(Example):
     """Embed a batch of two sequences (the second one padded) and compare them."""
 
     def inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        vocab = int(model.config.get_text_config().vocab_size)
-        seq = self.cfg.seq_len
-        mask = torch.ones(2, seq, dtype=torch.long)
-        mask[1, seq // 2 :] = 0
-        return {"input_ids": seeded_ids(vocab, (2, seq)), "attention_mask": mask}
+        return _two_sequences(model, self.cfg.seq_len)
 
     def forward(self, model: torch.nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
         hidden = model(**inputs).last_hidden_state
@@ -54,7 +58,8 @@ class Embedding(Example):
 class CrossEncoder(Example):
     """Score two (query, document) pairs with a sequence-classification head."""
 
-    inputs = Embedding.inputs
+    def inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return _two_sequences(model, self.cfg.seq_len)
 
     def forward(self, model: torch.nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
         return model(**inputs).logits[:, 0].float()
@@ -69,14 +74,15 @@ class ImageText(Example):
     """CLIP/SigLIP: logits between two random images and two token sequences."""
 
     def inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        vision = model.config.vision_config
+        config = model_config(model)
+        vision = config.vision_config
         gen = torch.Generator().manual_seed(0)
         pixels = torch.randn(
             2, vision.num_channels, vision.image_size, vision.image_size, generator=gen
         )
-        text = model.config.text_config
+        text = config.text_config
         ids = seeded_ids(text.vocab_size, (2, self.cfg.seq_len))
-        return {"input_ids": ids, "pixel_values": pixels.to(model.dtype)}
+        return {"input_ids": ids, "pixel_values": pixels.to(model_dtype(model))}
 
     def forward(self, model: torch.nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
         return model(**inputs).logits_per_image.float()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example
+from modelzoo.examples.base import Example, model_config, model_dtype
 
 SAMPLE_RATE = 16_000
 
@@ -29,7 +29,7 @@ class Transcribe(Example):
     def _features(self, model: torch.nn.Module, path: str | None) -> torch.Tensor:
         from transformers import WhisperFeatureExtractor
 
-        cfg = model.config
+        cfg = model_config(model)
         if path is not None and (Path(path) / "preprocessor_config.json").exists():
             extractor = WhisperFeatureExtractor.from_pretrained(path, local_files_only=True)
             seconds = 30.0
@@ -42,10 +42,10 @@ class Transcribe(Example):
         wave = synthetic_waveform(min(self.cfg.audio_seconds, seconds))
         feats = extractor(wave.numpy(), sampling_rate=SAMPLE_RATE, return_tensors="pt")
         frames = 2 * cfg.max_source_positions
-        return feats.input_features[..., :frames].to(model.dtype)
+        return feats.input_features[..., :frames].to(model_dtype(model))
 
     def inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        start = model.config.decoder_start_token_id
+        start = model_config(model).decoder_start_token_id
         return {
             "input_features": self._features(model, None),
             "decoder_input_ids": torch.full((1, self.cfg.seq_len), start, dtype=torch.long),
@@ -56,11 +56,16 @@ class Transcribe(Example):
 
     @torch.inference_mode()
     def run(self, model: torch.nn.Module, *, path: str | None = None, **_: Any) -> dict[str, Any]:
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"{type(model).__name__} is not a transformers encoder-decoder model")
         features = self._features(model, path)
         encoder_out = model.get_encoder()(features)
-        tokens = [model.config.decoder_start_token_id]
+        cfg = model_config(model)
+        tokens: list[int] = [cfg.decoder_start_token_id]
         past = None
-        for _ in range(self.cfg.new_tokens):
+        for _step in range(self.cfg.new_tokens):
             step = torch.tensor([tokens[-1:] if past is not None else tokens])
             out = model(
                 encoder_outputs=encoder_out,
@@ -70,7 +75,7 @@ class Transcribe(Example):
             )
             past = out.past_key_values
             tokens.append(int(out.logits[0, -1].argmax()))
-            if tokens[-1] == model.config.eos_token_id:
+            if tokens[-1] == cfg.eos_token_id:
                 break
         result: dict[str, Any] = {
             "audio_seconds": self.cfg.audio_seconds,

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example, seeded_ids
+from modelzoo.examples.base import Example, model_config, seeded_ids
 
 
 def _vocab(model: torch.nn.Module) -> int:
-    return int(model.config.get_text_config().vocab_size)
+    return int(model_config(model).get_text_config().vocab_size)
 
 
 def _tokenizer(path: str | None) -> Any:
@@ -33,10 +33,13 @@ class TextGeneration(Example):
         return model(input_ids=inputs["input_ids"], use_cache=False).logits
 
     @torch.inference_mode()
-    def generate(self, model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int) -> list:
+    def generate(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int
+    ) -> list[int]:
         """Greedy continuation of ``input_ids`` ([1, S] int64); returns the new token ids."""
         out = model(input_ids=input_ids, use_cache=True)
-        past, tokens = out.past_key_values, []
+        past = out.past_key_values
+        tokens: list[int] = []
         for _ in range(new_tokens):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(token))

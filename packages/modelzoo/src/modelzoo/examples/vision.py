@@ -11,19 +11,20 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example, seeded_ids
+from modelzoo.examples.base import Example, model_config, model_dtype, seeded_ids
 
 
 class VisionLanguage(Example):
     """Describe a random image: greedy tokens after a multimodal prefill."""
 
     def inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        cfg, vision = model.config, model.config.vision_config
+        cfg = model_config(model)
+        vision = cfg.vision_config
         merge = vision.spatial_merge_size
         side = 2 * merge  # a 2 x 2 grid of merged tokens: the smallest image with structure
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         gen = torch.Generator().manual_seed(0)
-        pixels = torch.randn(side * side, patch_dim, generator=gen).to(model.dtype)
+        pixels = torch.randn(side * side, patch_dim, generator=gen).to(model_dtype(model))
         image_tokens = side * side // merge**2
         text = seeded_ids(min(cfg.image_token_id, cfg.text_config.vocab_size), (self.cfg.seq_len,))
         ids = torch.cat(
@@ -46,7 +47,9 @@ class VisionLanguage(Example):
         return model(**inputs, use_cache=False).logits
 
     @torch.inference_mode()
-    def generate(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], n: int) -> list:
+    def generate(
+        self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], n: int
+    ) -> list[int]:
         """Greedy continuation after a multimodal prefill; decoding steps feed one token each."""
         out = model(**inputs, use_cache=True)
         tokens: list[int] = []
