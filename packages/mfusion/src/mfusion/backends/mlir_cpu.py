@@ -44,19 +44,39 @@ def parse_out_spec(spec: str) -> list[tuple[torch.dtype, list[int]]]:
 
 @torch.library.custom_op("mfusion::mlir_region", mutates_args=())
 def mlir_region(
-    inputs: list[torch.Tensor], ir: str, out_spec: str, pipeline: str = "vector"
+    inputs: list[torch.Tensor],
+    ir: str,
+    out_spec: str,
+    pipeline: str = "vector",
+    block_ir: str = "",
+    split: str = "",
 ) -> list[torch.Tensor]:
-    """Run a JIT-compiled region; outputs are allocated here and filled by the kernel."""
-    from mfusion.mlir.runtime import compiled_region
+    """Run a JIT-compiled region; outputs are allocated here and filled by the kernel.
+
+    With ``block_ir`` (the region compiled for one block of rows) the rows are split into
+    ``len(split)``-independent blocks run on threads; ``split`` has one flag per input, ``1``
+    for inputs split with the rows, ``0`` for inputs passed whole, then ``:<blocks>``.
+    """
+    from mfusion.mlir.runtime import compiled_region, run_blocks
 
     outputs = [torch.empty(shape, dtype=dtype) for dtype, shape in parse_out_spec(out_spec)]
-    compiled_region(ir, _pipeline(pipeline))(inputs, outputs)
+    if block_ir:
+        flags, _, blocks = split.partition(":")
+        kernel = compiled_region(block_ir, _pipeline(pipeline))
+        run_blocks(kernel, inputs, outputs, [f == "1" for f in flags], int(blocks))
+    else:
+        compiled_region(ir, _pipeline(pipeline))(inputs, outputs)
     return outputs
 
 
 @mlir_region.register_fake
 def _mlir_region_fake(
-    inputs: list[torch.Tensor], ir: str, out_spec: str, pipeline: str = "vector"
+    inputs: list[torch.Tensor],
+    ir: str,
+    out_spec: str,
+    pipeline: str = "vector",
+    block_ir: str = "",
+    split: str = "",
 ) -> list[torch.Tensor]:
     return [inputs[0].new_empty(shape, dtype=dtype) for dtype, shape in parse_out_spec(out_spec)]
 
@@ -103,17 +123,39 @@ class MLIRCPUBackend(KernelBackend):
         if compiled is None:
             return f"torch-mlir could not compile the region ({'; '.join(failures)})"
         spec = format_out_spec(outputs)
-        kernel = compiled
+        machine = self.machine if self.machine is not None else MachineProfile.detect()
+        block_ir, split = self._blocks(region, machine.threads, compiled.pipeline)
+        args = (ir, spec, compiled.pipeline, block_ir, split)
 
         def run(inputs: list[torch.Tensor]) -> None:
-            kernel(inputs, [torch.empty(s, dtype=d) for d, s in parse_out_spec(spec)])
+            mlir_region(inputs, *args)
 
-        machine = self.machine if self.machine is not None else MachineProfile.detect()
-        decision = decide(region.module, run, region_key(ir), compiled.pipeline, machine)
-        self.last_note = f"compiled by backend; {decision.describe()}"
+        key = region_key(ir + block_ir + split)
+        decision = decide(region.module, run, key, compiled.pipeline, machine)
+        threads = f", {split.partition(':')[2]} row blocks on threads" if block_ir else ""
+        self.last_note = f"compiled by backend{threads}; {decision.describe()}"
         if not decision.use_mlir:
             return f"stays with Inductor, {decision.describe()}"
-        return torch.ops.mfusion.mlir_region.default, (ir, spec, compiled.pipeline)
+        return torch.ops.mfusion.mlir_region.default, args
+
+    @staticmethod
+    def _blocks(region: OutlinedRegion, threads: int, pipeline: Pipeline) -> tuple[str, str]:
+        """``(block_ir, split)`` for running the region on ``threads`` row blocks, or
+        ``("", "")`` when its rows are not independent, do not divide evenly or threads is 1."""
+        from mfusion.mlir.importer import import_region
+        from mfusion.mlir.runtime import compiled_region
+        from mfusion.mlir.threads import block_module, row_split, split_inputs
+
+        rows = row_split(region.module) if threads > 1 else None
+        if rows is None or rows % threads:
+            return "", ""
+        try:
+            block_ir = import_region(block_module(region.module, rows, rows // threads))
+            compiled_region(block_ir, pipeline)
+        except Exception:  # a block that does not lower: run the whole region on one thread
+            return "", ""
+        flags = "".join("1" if f else "0" for f in split_inputs(region.module, rows))
+        return block_ir, f"{flags}:{threads}"
 
 
 def _first_line(error: Exception) -> str:

@@ -2,10 +2,12 @@
 
 Two pipelines, both measured per region class in ``benchmarks/mlir_regions.py``:
 
-- ``vector`` (the default): element-wise producers fused, ``math.exp``/``math.tanh`` expanded
-  into arithmetic, every ``linalg.generic`` tiled to innermost rows and vectorised with the
-  transform dialect (:mod:`mfusion.mlir.vectorize`), bufferised, multi-reductions lowered to
-  one ``vector.reduction`` per row and translated with reassociating float reductions.
+- ``vector`` (the default): element-wise producers fused, unit dims folded,
+  ``math.exp``/``math.tanh``/``math.erf`` expanded into arithmetic, each returned op tiled by
+  rows with its producers fused into the row loop, every ``linalg.generic`` then tiled to
+  innermost pieces and vectorised with the transform dialect (:mod:`mfusion.mlir.vectorize`),
+  bufferised, multi-reductions lowered to one ``vector.reduction`` per piece and translated
+  with reassociating float reductions.
 - ``scalar`` (0.3.1's pipeline): linalg straight to scalar loops; kept as the baseline the
   benchmark compares against and as a fallback for IR the vector pipeline rejects.
 """
@@ -78,10 +80,12 @@ VECTOR_PIPELINE = ",".join(
         "convert-scf-to-cf",
         "func.func(arith-expand)",
         "func.func(math-expand-ops)",
-        "convert-vector-to-llvm{reassociate-fp-reductions}",
+        # math first: convert-math-to-libm scalarises vector ops it has no intrinsic for
+        # (erf) into vector.extract/insert, which the vector conversion then lowers
         "convert-math-to-funcs",
         "func.func(convert-math-to-llvm)",
         "convert-math-to-libm",
+        "convert-vector-to-llvm{reassociate-fp-reductions}",
         "expand-strided-metadata",
         "lower-affine",
         "finalize-memref-to-llvm",
@@ -111,7 +115,7 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
     from torch_mlir.compiler_utils import run_pipeline_with_repro_report
     from torch_mlir.dialects import torch as torch_d
 
-    from mfusion.mlir.vectorize import expand_transcendentals, tile_and_vectorize
+    from mfusion.mlir.vectorize import expand_transcendentals, fuse_rows, tile_and_vectorize
 
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline={pipeline!r} is not known; use one of {list(PIPELINES)}")
@@ -131,13 +135,20 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
             module, f"builtin.module({SCALAR_PIPELINE})", "Lowering Linalg-on-Tensors -> LLVM"
         )
         return module
+    # Unit dims folded first: torch-mlir writes keepdim reductions with a constant 0 in the
+    # output map, which tiling (and so row fusion) cannot handle.
     run_pipeline_with_repro_report(
         module,
         "builtin.module(func.func(linalg-generalize-named-ops),"
-        "func.func(linalg-fuse-elementwise-ops),func.func(canonicalize))",
+        "func.func(linalg-fuse-elementwise-ops),func.func(canonicalize),"
+        "func.func(linalg-fold-unit-extent-dims),func.func(canonicalize))",
         "Fusing linalg element-wise ops",
     )
     expand_transcendentals(module)
+    fuse_rows(module)
+    run_pipeline_with_repro_report(
+        module, "builtin.module(func.func(canonicalize),func.func(cse))", "Cleaning up row loops"
+    )
     tile_and_vectorize(module)
     run_pipeline_with_repro_report(
         module, f"builtin.module({VECTOR_PIPELINE})", "Lowering vectorised linalg -> LLVM"

@@ -84,3 +84,34 @@ def compiled_region(torch_backend_asm: str, pipeline: Pipeline = "vector") -> Co
     """The JIT-compiled region for this IR and pipeline, compiled on first use (thread-safe)."""
     with _LOCK:
         return _compile_cached(region_key(torch_backend_asm), torch_backend_asm, pipeline)
+
+
+def run_blocks(
+    kernel: CompiledRegion,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    split: list[bool],
+    blocks: int,
+) -> None:
+    """Run ``kernel``, compiled for ``rows / blocks`` rows, on each block of rows of the
+    outputs (and of the inputs flagged in ``split``; the others are passed whole), the blocks in
+    parallel on a thread pool (see :mod:`mfusion.mlir.threads`)."""
+    from mfusion.mlir.threads import pool
+
+    rows = outputs[0].shape[0]
+    if blocks < 1 or rows % blocks:
+        raise ValueError(f"blocks={blocks} must divide the {rows} rows of the region")
+    step = rows // blocks
+    tensors = [t.contiguous() for t in inputs]
+
+    def one(index: int) -> None:
+        lo = index * step
+        kernel(
+            [t.narrow(0, lo, step) if s else t for t, s in zip(tensors, split, strict=True)],
+            [o.narrow(0, lo, step) for o in outputs],
+        )
+
+    futures = [pool(blocks - 1).submit(one, k) for k in range(1, blocks)]
+    one(0)
+    for future in futures:
+        future.result()

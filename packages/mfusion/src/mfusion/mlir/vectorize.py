@@ -9,11 +9,12 @@ and then vectorised with the transform dialect (``transform.structured.tile_usin
 reduction is one ``vector.reduction`` per piece (lowered with reassociation: a tree of vector
 ops, not a serial chain).
 
-``math.exp`` and ``math.tanh`` on f32 are first rewritten into arithmetic (Cephes-style range
-reduction and polynomial, about 1-2 ulp for exp) so they vectorise too; this installed MLIR does
-not register ``math-polynomial-approximation``. ``math.erf`` and other functions stay libm calls
-(scalarised inside the vector code), which is why erf-GELU regions measure slower and stay with
-Inductor (:mod:`mfusion.mlir.choice`).
+``math.exp``, ``math.tanh`` and ``math.erf`` on f32 are first rewritten into arithmetic
+(Cephes-style range reduction and polynomial for exp, exp-based tanh with a Taylor branch near
+0, Eigen's rational erf) so they vectorise too; this installed MLIR does not register
+``math-polynomial-approximation``. Other functions stay libm calls, scalarised inside the
+vector code (slow: such regions measure slower and stay with Inductor, see
+:mod:`mfusion.mlir.choice`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ f32. Longer vectors spill: on the AVX-512 CPU softmax/GELU/LayerNorm rows of 102
 1.5-2x slower with whole-row vectors (1024) and 1.2-1.5x with 128-256; 32 was slower again
 (loop overhead). Longer rows are tiled by a divisor; a reduction row then accumulates per tile."""
 
+WHOLE_ROW = 128
+"""Element-wise rows up to this length stay one vector: cutting a 128-row into two 64-pieces
+made a fused softmax 1.5-1.7x slower (loop overhead per row), while 3072-rows wanted 64-pieces."""
+
+MAX_REDUCTION = 512
+"""Longest innermost reduction row kept whole. A reduction split into tiles carries its
+accumulator through memory from tile to tile; on the AVX-512 CPU a fused softmax over rows of
+128 took 1.7x longer with 64-element tiles than with whole rows, while element-wise ops want
+the short :data:`MAX_VECTOR` pieces."""
+
 MIN_VECTOR = 16
 """A row longer than :data:`MAX_VECTOR` is tiled by its largest divisor <= MAX_VECTOR that is a
 multiple of this (one AVX-512 register of f32); without one the op stays scalar loops."""
@@ -43,6 +54,24 @@ _LN2_HI = 0.693359375
 _LN2_LO = -2.12194440e-4
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1)
 _EXP_HALF = 5.0000001201e-1
+# erf: odd/even rational approximation on [-4, 4] (Eigen's and XLA's float erf), +-1 beyond.
+_ERF_CLAMP = 4.0
+_ERF_NUM = (
+    -2.72614225801306e-10,
+    2.77068142495902e-08,
+    -2.10102402082508e-06,
+    -5.69250639462346e-05,
+    -7.34990630326855e-04,
+    -2.95459980854025e-03,
+    -1.60960333262415e-02,
+)
+_ERF_DEN = (
+    -1.45660718464996e-05,
+    -2.13374055278905e-04,
+    -1.68282697438203e-03,
+    -7.37332916720468e-03,
+    -1.42647390514189e-02,
+)
 # tanh: odd Taylor polynomial below this |x| (no cancellation), exp form above it.
 _TANH_SMALL = 0.0625
 _TANH_TAYLOR = (-1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0)
@@ -66,21 +95,24 @@ def loop_ranges(op: ir.Operation) -> list[int | None]:
     return ranges
 
 
-def tile_sizes(ranges: list[int | None]) -> list[int] | None:
+def tile_sizes(ranges: list[int | None], reduction: bool = False) -> list[int] | None:
     """Tile sizes for one op (0 = untiled), or None to leave it to scalar loops.
 
     Every loop but the innermost is tiled by 1, so one tile is one innermost row; the row is
-    kept whole up to :data:`MAX_VECTOR` elements, else tiled by the largest multiple of
-    :data:`MIN_VECTOR` dividing it (a reduction row then accumulates tile by tile).
+    kept whole up to :data:`WHOLE_ROW` elements (:data:`MAX_REDUCTION` when the innermost loop
+    is a reduction), else tiled by the largest multiple of :data:`MIN_VECTOR` dividing it and
+    at most :data:`MAX_VECTOR` (:data:`MAX_REDUCTION`); a reduction row then accumulates tile
+    by tile.
     """
     if not ranges or any(r is None for r in ranges):
         return None
     last = ranges[-1]
     assert last is not None
-    if last <= MAX_VECTOR:
+    limit = MAX_REDUCTION if reduction else MAX_VECTOR
+    if last <= (MAX_REDUCTION if reduction else WHOLE_ROW):
         inner = 0
     else:
-        divisors = [d for d in range(MIN_VECTOR, MAX_VECTOR + 1, MIN_VECTOR) if last % d == 0]
+        divisors = [d for d in range(MIN_VECTOR, limit + 1, MIN_VECTOR) if last % d == 0]
         if not divisors:
             return None
         inner = max(divisors)
@@ -169,6 +201,19 @@ class _Builder:
             y = self.mul(y, a.bitcast(self.f32, bits))
         return y
 
+    def erf(self, x: Any) -> Any:
+        """erf(x) = x P(x^2) / Q(x^2) on [-4, 4] (clamped: erf is +-1 in f32 beyond)."""
+        a = self.arith
+        x = a.minimumf(a.maximumf(x, self.const(-_ERF_CLAMP)), self.const(_ERF_CLAMP))
+        x2 = self.mul(x, x)
+        num = self.const(_ERF_NUM[0])
+        for c in _ERF_NUM[1:]:
+            num = self.add(self.mul(num, x2), self.const(c))
+        den = self.const(_ERF_DEN[0])
+        for c in _ERF_DEN[1:]:
+            den = self.add(self.mul(den, x2), self.const(c))
+        return a.divf(self.mul(x, num), den)
+
     def tanh(self, x: Any) -> Any:
         """tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|); an odd Taylor polynomial
         below |x| = 1/16, where 1 - e would cancel."""
@@ -186,8 +231,12 @@ class _Builder:
         return m.copysign(magnitude, x)
 
 
+_EXPANDED = {"math.exp": "exp", "math.tanh": "tanh", "math.erf": "erf"}
+
+
 def expand_transcendentals(module: ir.Module) -> int:
-    """Rewrite scalar f32 ``math.exp``/``math.tanh`` inside linalg bodies into arithmetic.
+    """Rewrite scalar f32 ``math.exp``/``math.tanh``/``math.erf`` in linalg bodies into
+    arithmetic.
 
     Returns:
         The number of ops rewritten.
@@ -197,7 +246,7 @@ def expand_transcendentals(module: ir.Module) -> int:
     found: list[ir.Operation] = []
 
     def collect(op: ir.Operation) -> ir.WalkResult:
-        if op.name in ("math.exp", "math.tanh") and str(op.results[0].type) == "f32":
+        if op.name in _EXPANDED and str(op.results[0].type) == "f32":
             found.append(op)
         return ir.WalkResult.ADVANCE
 
@@ -208,10 +257,77 @@ def expand_transcendentals(module: ir.Module) -> int:
             assert builder is not None
             with ir.InsertionPoint(op):
                 x = op.operands[0]
-                new = builder.exp(x) if op.name == "math.exp" else builder.tanh(x)
+                new = getattr(builder, _EXPANDED[op.name])(x)
             op.results[0].replace_all_uses_with(new)
             op.erase()
     return len(found)
+
+
+def fuse_rows(module: ir.Module) -> int:
+    """Tile each op whose result the function returns by rows (every parallel loop but the
+    innermost loop by 1) and fuse its producers into that row loop (greedy tile-and-fuse), so
+    a softmax or norm reads its row once into cache and every intermediate stays a row.
+
+    A producer used by several fused consumers is recomputed per consumer (softmax's exp once
+    for the sum and once for the division), as Inductor's own CPU kernels do; one also used
+    outside the loop keeps its standalone copy.
+
+    Returns:
+        The number of row loops created.
+    """
+    from torch_mlir import ir
+    from torch_mlir.dialects.transform import interpreter
+
+    roots: list[tuple[ir.Operation, list[int]]] = []
+
+    def collect(op: ir.Operation) -> ir.WalkResult:
+        if op.name == "func.return":
+            for value in op.operands:
+                owner = value.owner
+                if isinstance(owner, ir.OpView):
+                    owner = owner.operation
+                if isinstance(owner, ir.Operation) and owner.name == "linalg.generic":
+                    kinds = [str(t) for t in owner.attributes["iterator_types"]]
+                    sizes = [
+                        1 if "parallel" in kind and i < len(kinds) - 1 else 0
+                        for i, kind in enumerate(kinds)
+                    ]
+                    if any(sizes) and all(r is not None for r in loop_ranges(owner)):
+                        roots.append((owner, sizes))
+        return ir.WalkResult.ADVANCE
+
+    with module.context, ir.Location.unknown():
+        module.operation.walk(collect)
+        if not roots:
+            return 0
+        i64 = ir.IntegerType.get_signless(64)
+        lines = [
+            "module attributes {transform.with_named_sequence} {",
+            "transform.named_sequence @__transform_main("
+            "%root: !transform.any_op {transform.readonly}) {",
+        ]
+        for index, (op, sizes) in enumerate(roots):
+            op.attributes[TILE_ATTR] = ir.IntegerAttr.get(i64, index)
+            loops = ", ".join(["!transform.any_op"] * sum(1 for s in sizes if s))
+            lines += [
+                f"%m{index} = transform.structured.match attributes "
+                f"{{{TILE_ATTR} = {index} : i64}} in %root "
+                ": (!transform.any_op) -> !transform.any_op",
+                f"%f{index}, %l{index}:{loops.count('!')} = transform.structured.fuse %m{index} "
+                f"tile_sizes {sizes} {{apply_cleanup}} "
+                f": (!transform.any_op) -> (!transform.any_op, {loops})",
+            ]
+        lines += ["transform.yield", "}", "}"]
+        script = ir.Module.parse("\n".join(lines))
+        interpreter.apply_named_sequence(module.operation, script.body.operations[0], script)
+
+        def untag(op: ir.Operation) -> ir.WalkResult:
+            if TILE_ATTR in op.attributes:
+                del op.attributes[TILE_ATTR]
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(untag)
+    return len(roots)
 
 
 def tile_and_vectorize(module: ir.Module) -> int:
@@ -236,7 +352,8 @@ def tile_and_vectorize(module: ir.Module) -> int:
         module.operation.walk(collect)
         i64 = ir.IntegerType.get_signless(64)
         for op in ops:
-            sizes = tile_sizes(loop_ranges(op))
+            kinds = [str(t) for t in op.attributes["iterator_types"]]
+            sizes = tile_sizes(loop_ranges(op), bool(kinds) and "reduction" in kinds[-1])
             if sizes is None:
                 continue
             op.attributes[TILE_ATTR] = ir.IntegerAttr.get(i64, len(plans))

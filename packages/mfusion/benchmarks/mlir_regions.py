@@ -1,0 +1,205 @@
+"""Per-region benchmark of the mlir-cpu backend: MLIR scalar pipeline (0.3.1) vs MLIR vector
+pipeline (0.3.2) vs Inductor's kernel for the same region, at one and two threads.
+
+Each region class is a function traced to an aten graph (what auto-fusion outlines) at a
+realistic size (hidden 768 / MLP 3072 over 2 x 128 tokens; attention scores 2 x 12 x 128 x
+128). The Inductor side is the region compiled standalone by Inductor (the same stand-in the
+measured choice uses, ``mfusion.mlir.choice.inductor_kernel``); the MLIR sides are called the
+way ``mfusion::mlir_region`` runs them (output allocation included, row blocks on threads for
+the vector pipeline when the threads setting is above one). Samples of ~``--sample-ms`` each,
+``--rounds`` interleaved rounds with the order rotating; reported: median of the per-round
+ratios (MLIR time / Inductor time: below 1 means MLIR is faster) with p25-p75.
+
+    python packages/mfusion/benchmarks/mlir_regions.py --threads 1 2 --out bench-results/mlir
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from mfusion.backends.mlir_cpu import MLIRCPUBackend, format_out_spec, mlir_region
+from mfusion.machine import MachineProfile
+from mfusion.mlir.choice import example_inputs, inductor_kernel
+from mfusion.mlir.importer import import_region
+from mfusion.mlir.runtime import compiled_region
+
+TOKENS, HIDDEN, MLP, HEADS, SEQ = 256, 768, 3072, 12, 128
+
+
+def gelu_tanh(x, b):
+    y = x + b
+    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+
+
+def gelu_erf(x, b):
+    y = x + b
+    return 0.5 * y * (1 + torch.erf(y * 0.7071067811865476))
+
+
+def silu_mul(g, u):
+    return g * torch.sigmoid(g) * u
+
+
+def rmsnorm(x, w):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def add_layernorm(x, r, w, b):
+    h = x + r
+    d = h - h.mean(-1, keepdim=True)
+    return d * torch.rsqrt((d * d).mean(-1, keepdim=True) + 1e-5) * w + b, h
+
+
+def softmax_scaled(s, mask):
+    s = s * 0.125 + mask
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+REGIONS: dict[str, tuple[str, Callable[..., object], Callable[[], tuple[torch.Tensor, ...]]]] = {
+    "gelu_tanh": (
+        "elementwise",
+        gelu_tanh,
+        lambda: (torch.randn(TOKENS, MLP), torch.randn(MLP)),
+    ),
+    "gelu_erf": ("elementwise", gelu_erf, lambda: (torch.randn(TOKENS, MLP), torch.randn(MLP))),
+    "silu_mul": (
+        "elementwise",
+        silu_mul,
+        lambda: (torch.randn(TOKENS, MLP), torch.randn(TOKENS, MLP)),
+    ),
+    "rmsnorm": ("norm", rmsnorm, lambda: (torch.randn(TOKENS, HIDDEN), torch.randn(HIDDEN))),
+    "add_layernorm": (
+        "norm",
+        add_layernorm,
+        lambda: (
+            torch.randn(TOKENS, HIDDEN),
+            torch.randn(TOKENS, HIDDEN),
+            torch.randn(HIDDEN),
+            torch.randn(HIDDEN),
+        ),
+    ),
+    "softmax": (
+        "softmax",
+        softmax_scaled,
+        lambda: (torch.randn(2, HEADS, SEQ, SEQ), torch.randn(2, 1, 1, SEQ)),
+    ),
+}
+
+
+def per_call(fn: Callable[[], object], budget_s: float) -> float:
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, int(budget_s / once))
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[1], q[0], q[2]
+
+
+def mlir_call(gm, inputs, pipeline: str, threads: int) -> Callable[[], object]:
+    ir = import_region(gm)
+    compiled_region(ir, pipeline)  # type: ignore[arg-type]
+    outputs = [
+        v for v in (n.meta["val"] for n in gm.graph.find_nodes(op="output")[0].all_input_nodes)
+    ]
+    spec = format_out_spec(outputs)
+    block_ir, split = ("", "")
+    if pipeline == "vector":
+        block_ir, split = MLIRCPUBackend._blocks(_Region(gm), threads, "vector")
+    return lambda: mlir_region(inputs, ir, spec, pipeline, block_ir, split)
+
+
+class _Region:
+    """What ``MLIRCPUBackend._blocks`` reads of an outlined region."""
+
+    def __init__(self, gm) -> None:
+        self.module = gm
+
+
+def bench(name: str, threads: int, rounds: int, sample_s: float) -> dict[str, object]:
+    kind, fn, make = REGIONS[name]
+    torch.manual_seed(0)
+    args = make()
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    inputs = example_inputs(gm)
+    calls = {
+        "inductor": inductor_kernel(gm, inputs),
+        "scalar": mlir_call(gm, inputs, "scalar", threads),
+        "vector": mlir_call(gm, inputs, "vector", threads),
+    }
+    expected = fn(*inputs)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for variant in ("scalar", "vector"):
+        got = calls[variant]()
+        for g, e in zip(got, expected, strict=True):  # type: ignore[call-overload]
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4, msg=f"{name} {variant}")
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for k in order[r % 3 :] + order[: r % 3]:
+            times[k].append(per_call(calls[k], sample_s))
+    row: dict[str, object] = {"region": name, "class": kind, "threads": threads}
+    for k in calls:
+        row[f"{k}_us"] = statistics.median(times[k]) * 1e6
+    for k in ("scalar", "vector"):
+        ratios = [m / i for m, i in zip(times[k], times["inductor"], strict=True)]
+        row[f"{k}_ratio"], row[f"{k}_p25"], row[f"{k}_p75"] = quartiles(ratios)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--regions", nargs="*", default=list(REGIONS), choices=list(REGIONS))
+    parser.add_argument("--threads", nargs="*", type=int, default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--sample-ms", type=float, default=20.0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in args.regions:
+            rows.append(bench(name, threads, args.rounds, args.sample_ms / 1e3))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    header = (
+        "| region | class | threads | inductor us | scalar us | vector us "
+        "| scalar / inductor | vector / inductor (p25-p75) |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"| {r['region']} | {r['class']} | {r['threads']} | {r['inductor_us']:.0f} "
+            f"| {r['scalar_us']:.0f} | {r['vector_us']:.0f} | {r['scalar_ratio']:.2f} "
+            f"| {r['vector_ratio']:.2f} ({r['vector_p25']:.2f}-{r['vector_p75']:.2f}) |"
+        )
+    machine = MachineProfile.detect()
+    table = "\n".join(lines)
+    print(f"machine: {machine.describe()}; torch {torch.__version__}; {platform.python_version()}")
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mlir_regions.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "mlir_regions.md").write_text(f"machine: {machine.describe()}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
