@@ -53,7 +53,7 @@ def test_generate_with_step_cache_and_spatial_vae(tmp_path):
     ("args", "message"),
     [
         (["--cache", "pab", "--cache-threshold", "0.2"], "cache_threshold applies to"),
-        (["--cache", "magic"], "cache: Input should be 'first_block', 'pab' or 'taylorseer'"),
+        (["--cache", "magic"], "Input should be 'first_block', 'pab', 'taylorseer' or 'faster'"),
         (["--vae-mode", "diagonal"], "vae_mode: Input should be 'temporal' or 'spatial'"),
     ],
 )

@@ -80,7 +80,6 @@ BAD_OPTIONS = [
     (["--ulysses", "3", "--nproc", "2"], "ulysses_degree=3 x ring_degree=1 = 3"),
     (["--cfg-parallel", "2", "--nproc", "3"], "'--cfg-parallel/--ring': cfg_degree=2"),
     (["--cfg-parallel", "3"], "cfg_parallel: Input should be less than or equal to 2"),
-    (["--ring", "2", "--nproc", "2", "--sparsity", "0.5"], "'--ring': 2 with --sparsity 0.5"),
     (["--ulysses", "0"], "ulysses: Input should be greater than or equal to 1"),
     (["--nproc", "0"], "'--nproc': 0"),
     (["--sparsity", "1.0"], "sparsity: Input should be less than 1"),
@@ -296,3 +295,26 @@ def test_hybrid_layout_passes_the_checks_and_reaches_the_ranks(launches, tmp_pat
     assert result.exit_code == 0, result.output
     (_, nproc, (config,)) = launches[0]
     assert nproc == 4 and (config.cfg_parallel, config.ulysses, config.ring) == (2, 2, 1)
+
+
+def test_ring_with_sparsity_is_accepted_and_reaches_the_ranks(launches, tmp_path):
+    """Since 0.4.2 the Wan plan runs block-sparse ring attention: a ring with --sparsity passes."""
+    args = ["--ring", "2", "--nproc", "2", "--sparsity", "0.5", "--block-size", "16"]
+    result = CliRunner().invoke(app, ["generate", *args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    (_, nproc, (config,)) = launches[0]
+    assert nproc == 2 and (config.ring, config.sparsity) == (2, 0.5)
+
+
+def test_cache_and_vae_mode_options_reach_the_ranks(launches, tmp_path):
+    """--cache (incl. faster), --cache-threshold and --vae-mode are shipped as options."""
+    for extra, expected in [
+        (["--cache", "faster", "--vae-mode", "temporal"], ("faster", None, "temporal")),
+        (["--cache", "first_block", "--cache-threshold", "0.2"], ("first_block", 0.2, None)),
+    ]:
+        launches.clear()
+        out = tmp_path / extra[1]
+        result = CliRunner().invoke(app, ["generate", *extra, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        (_, _, (config,)) = launches[0]
+        assert (config.cache, config.cache_threshold, config.vae_mode) == expected

@@ -87,12 +87,6 @@ def _hybrid_rank(transformer_cases: dict, layouts: list, pipe_layouts: list, cac
             ):
                 both = model(**inputs).sample
         out["transformer"][name, "boosted ring"] = (both - boosted).abs().max().item()
-    try:  # a ring cannot run the sparse kernels: refused before any work
-        with liteboost.BoostManager(model, **SPARSE):
-            liteboost.ParallelManager(model, ulysses_degree=1, ring_degree=dist.get_world_size())
-        out["ring_sparse"] = None
-    except ValueError as exc:
-        out["ring_sparse"] = str(exc)
     try:
         liteboost.ParallelManager(model, cfg_degree=2)
         out["cfg_bare"] = None
@@ -165,7 +159,6 @@ def _check(results, transformer_keys, pipe_layouts, cache_cases) -> None:
                 assert calls == expected, (rank, key, case)
                 computed = sum(single_calls.values())
                 assert computed < 2 * PIPE_CALL["num_inference_steps"], "nothing was cached"
-        assert res["ring_sparse"] is not None and "ring_degree" in res["ring_sparse"]
         assert res["cfg_bare"] is not None and "cfg_degree=2" in res["cfg_bare"]
         assert res["mesh"] == ("cfg", "ring", "ulysses")
         for shape, (diff, mode, same_shape) in res["vae"].items():

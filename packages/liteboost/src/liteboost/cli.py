@@ -40,7 +40,6 @@ def preflight(config: GenerateOptions, *, nproc: int, timeout: float, overwrite:
         cfg=config.cfg_parallel,
         ulysses=config.ulysses,
         ring=config.ring,
-        sparsity=config.sparsity,
     )
     facts = checks.model_facts(config.model)
     checks.check_size(config.height, config.width, config.frames, facts)

@@ -56,11 +56,12 @@ class GenerateOptions(StrictConfig):
         "stock), spatial (row slabs with halo exchange, equal to float rounding); default: "
         "whichever does less work for the shape.",
     )
-    cache: Literal["first_block", "pab", "taylorseer"] | None = Field(
+    cache: Literal["first_block", "pab", "taylorseer", "faster"] | None = Field(
         None,
         description="Step caching through diffusers' hooks: first_block (skip the remaining "
         "blocks when the first block's output barely changed), pab (pyramid attention "
-        "broadcast), taylorseer (extrapolated features); default: none.",
+        "broadcast), taylorseer (extrapolated features), faster (FasterCache: self-attention "
+        "reused per CFG branch); default: none.",
     )
     cache_threshold: float | None = Field(
         None,

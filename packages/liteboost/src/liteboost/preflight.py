@@ -227,20 +227,14 @@ def check_numbers(*, nproc: int, timeout: float) -> None:
         raise PreflightError("--timeout", f"{timeout}; expected a finite number of seconds > 0")
 
 
-def check_mesh(
-    *, nproc: int | None, cfg: int, ulysses: int | None, ring: int, sparsity: float
-) -> None:
+def check_mesh(*, nproc: int | None, cfg: int, ulysses: int | None, ring: int) -> None:
     """The CFG x Ring x Ulysses degrees against the rank count, by ParallelManager's own rule.
 
     ``nproc`` is None under torchrun, where the world size is known only inside the ranks (the
-    manager checks there). Ring attention with block sparsity is refused as the manager does.
+    manager checks there).
     """
     from liteboost.parallel.manager import resolve_degrees
 
-    if ring > 1 and sparsity > 0:
-        raise PreflightError(
-            "--ring", f"{ring} with --sparsity {sparsity}; ring attention runs dense attention only"
-        )
     if nproc is None:
         return
     try:

@@ -8,6 +8,7 @@ on the transformer, its ``rope`` module and its blocks. Every plan returns a han
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from liteboost.attention.context import ForwardContext
 from liteboost.attention.processor import AttentionSettings, BoostedWanAttnProcessor
 from liteboost.models.registry import register_boost, register_parallel
+from liteboost.ops import tiling
 from liteboost.ops.rope import RopeTables, rope_tables
 from liteboost.parallel import vae_dp
 from liteboost.parallel.ulysses import TokenShards
@@ -33,12 +35,16 @@ class _GridHook(ModelHook):
         super().__init__()
         self.context, self.patch_size = context, tuple(patch_size)
         self.world = 1
+        # Set by the parallel plan: decides this forward's token order and shard alignment.
+        self.on_grid: Callable[[ForwardContext, torch.device], None] | None = None
 
     def pre_forward(self, module, *args, **kwargs):
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         _, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.patch_size
         self.context.set_grid((frames // pt, height // ph, width // pw), self.world)
+        if self.on_grid is not None:
+            self.on_grid(self.context, hidden_states.device)
         return args, kwargs
 
 
@@ -54,6 +60,18 @@ class _CachedRopeHook(ModelHook):
         if grid is None:  # the grid hook runs first on every transformer forward
             raise RuntimeError("liteboost's RoPE cache ran before the transformer's grid hook")
         return rope_tables(self.head_dim, grid, theta=_WAN_ROPE_THETA, device=hidden_states.device)
+
+
+def _reorder_rotary(rotary: Any, layout: tiling.TileLayout) -> Any:
+    """RoPE rows in tile order (the tokens' order under block-sparse ring attention)."""
+    if isinstance(rotary, RopeTables):
+        return RopeTables(
+            tiling.reorder(rotary[0], layout, seq_dim=1),
+            tiling.reorder(rotary[1], layout, seq_dim=1),
+            tiling.reorder(rotary.pair_cos, layout, seq_dim=0),
+            tiling.reorder(rotary.pair_sin, layout, seq_dim=0),
+        )
+    return tuple(tiling.reorder(t, layout, seq_dim=1) for t in rotary)
 
 
 def _pad_rotary(rotary, total: int):
@@ -75,24 +93,47 @@ class _UlyssesBlockHook(ModelHook):
         super().__init__()
         self.context, self.exchange, self.first, self.last = context, exchange, first, last
 
-    def pre_forward(self, module, hidden_states, encoder_hidden_states, temb, rotary_emb):
+    def _local(self, name: str, source: Any, cut: Callable[[Any], Any]) -> Any:
+        # Every block gets the same per-token inputs: cut them once per forward.
+        cached = self.context.local.get(name)
+        if cached is not None and cached[0] is source:
+            return cached[1]
+        local = cut(source)
+        self.context.local[name] = (source, local)
+        return local
+
+    def _local_temb(self, temb: torch.Tensor) -> torch.Tensor:
+        order = self.context.token_order
+        if order is not None:
+            temb = tiling.reorder(temb, order, seq_dim=1)
+        return self.exchange.shard(temb, self.context.shard_len)
+
+    def _local_rotary(self, rotary: Any) -> Any:
         ctx, ex = self.context, self.exchange
-        total = ctx.shard_len * ex.degree
-        if self.first:
-            hidden_states = ex.shard(hidden_states, ctx.shard_len)
-        if temb.ndim == 4:  # Wan2.2 TI2V: one modulation per token
-            temb = ex.shard(temb, ctx.shard_len)
-        rotary = _pad_rotary(rotary_emb, total)
+        if ctx.token_order is not None:
+            rotary = _reorder_rotary(rotary, ctx.token_order)
+        rotary = _pad_rotary(rotary, ctx.shard_len * ex.degree)
         start = ex.rank * ctx.shard_len
         if isinstance(rotary, RopeTables):
-            rotary = rotary.narrow(start, ctx.shard_len)
-        else:
-            rotary = tuple(t.narrow(1, start, ctx.shard_len) for t in rotary)
+            return rotary.narrow(start, ctx.shard_len)
+        return tuple(t.narrow(1, start, ctx.shard_len) for t in rotary)
+
+    def pre_forward(self, module, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        ctx, ex = self.context, self.exchange
+        if self.first:
+            if ctx.token_order is not None:
+                hidden_states = tiling.reorder(hidden_states, ctx.token_order, seq_dim=1)
+            hidden_states = ex.shard(hidden_states, ctx.shard_len)
+        if temb.ndim == 4:  # Wan2.2 TI2V: one modulation per token
+            temb = self._local("temb", temb, self._local_temb)
+        rotary = self._local("rotary", rotary_emb, self._local_rotary)
         return (hidden_states, encoder_hidden_states, temb, rotary), {}
 
     def post_forward(self, module, output):
         if self.last:
-            return self.exchange.gather(output, self.context.seq_len)
+            output = self.exchange.gather(output, self.context.seq_len)
+            if self.context.token_order is not None:
+                output = tiling.restore(output, self.context.token_order, seq_dim=1)
         return output
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from liteboost.ops.blocks import BlockSize
 from liteboost.parallel.ring import RingAttention
 from liteboost.parallel.ulysses import TokenShards, UlyssesExchange
 
@@ -91,6 +92,43 @@ class SequenceParallel(TokenShards):
         if self.ulysses is not None:
             q, k, v = (self.ulysses.scatter_heads(t, chunk_len) for t in (q, k, v))
         out = self.ring(q, k, v, seq_len, scale) if self.ring else _dense(q, k, v, seq_len, scale)
+        if self.ulysses is not None:
+            out = self.ulysses.gather_heads(out, shard_len)
+        return out
+
+    def sparse_ring_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        latent_shape: tuple[int, int, int],
+        shard_len: int,
+        sparsity: float,
+        block_size: BlockSize,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Block-sparse self-attention of this rank's [B, shard_len, N, D] tile-order shard.
+
+        The shards must be cut in the tile order of ``sparse_attention`` (default tile, frame 0
+        alone) with ``ulysses_degree * shard_len`` a multiple of the blocks: Ulysses all-to-all
+        into the ring chunk, :meth:`RingAttention.sparse` (the single process's kept blocks),
+        all-to-all back.
+        """
+        if self.ring is None:
+            raise RuntimeError("sparse_ring_attention needs a ring (ring_degree > 1)")
+        chunk_len = shard_len * self.ulysses_degree
+        if self.ulysses is not None:
+            q, k, v = (self.ulysses.scatter_heads(t, chunk_len) for t in (q, k, v))
+        out = self.ring.sparse(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            latent_shape=latent_shape,
+            sparsity=sparsity,
+            block_size=block_size,
+            scale=scale,
+        ).transpose(1, 2)
         if self.ulysses is not None:
             out = self.ulysses.gather_heads(out, shard_len)
         return out

@@ -2,10 +2,19 @@
 
 Sequence parallelism (Ulysses and/or Ring): a post-forward hook on ``patch_embedding`` keeps this
 rank's shard of the patch tokens, a per-block hook shards the per-token inputs (RoPE tables,
-Wan2.2 TI2V's per-token modulation), the attention processor runs self-attention across the
-ranks, and a pre-forward hook on ``norm_out`` gathers the shards. Cutting and gathering outside
-the blocks keeps every block's input and output the same shape, so diffusers' block-level cache
-hooks (first-block cache, TaylorSeer, ...) compose with it in any registration order.
+Wan2.2 TI2V's per-token modulation; cut once per forward), the attention processor runs
+self-attention across the ranks, and a pre-forward hook on ``norm_out`` gathers the shards.
+
+With a ring and sparsity > 0 the tokens are cut in the block-sparse kernels' tile order instead
+of raster order, so that every ring chunk holds whole blocks (``RingAttention.sparse``): the
+patch tokens, the RoPE rows and TI2V's per-token modulation are permuted once per forward after
+the patch embedding, and the gathered tokens are put back in raster order before ``norm_out``.
+Every other operation of a block acts on each token alone, so the order does not change them;
+shards are then multiples of the block size (more end padding, never attended).
+
+Cutting and gathering outside the blocks keeps every block's input and output the same shape,
+so diffusers' block-level cache hooks (first-block cache, TaylorSeer, ...) compose with it in
+any registration order.
 
 CFG parallel: WanPipeline calls the transformer twice per step, ``cache_context("cond")`` then
 ``cache_context("uncond")``, and combines the two outputs only after the second call. A stateful
@@ -18,6 +27,8 @@ on every rank as usual.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,16 +37,18 @@ import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState, StateManager
 
-from liteboost.attention.processor import BoostedWanAttnProcessor
+from liteboost.attention.context import ForwardContext
+from liteboost.attention.processor import AttentionSettings, BoostedWanAttnProcessor
 from liteboost.cache import composes_with_sequence_parallel
 from liteboost.models.wan import (
-    WanTransformerState,
     _attach,
     _detach,
     _grid_hook,
     _state,
     _UlyssesBlockHook,
 )
+from liteboost.ops import tiling
+from liteboost.ops.blocks import block_shape
 from liteboost.parallel.sequence import SequenceParallel
 
 _CFG_HOOK = "liteboost.cfg"
@@ -50,15 +63,41 @@ class HybridWanAttnProcessor(BoostedWanAttnProcessor):
 
     def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         sp = self.settings.ulysses
+        ctx = self.context
         if isinstance(sp, SequenceParallel) and sp.ring is not None:
-            if self.settings.sparsity > 0:
-                raise ValueError(
-                    f"sparsity={self.settings.sparsity} with ring_degree={sp.ring_degree}: ring "
-                    "attention is dense (the sparse kernels pick key blocks from the whole "
-                    "sequence); use sparsity=0, or ulysses_degree instead of a ring"
+            if self.settings.sparsity > 0 and q.shape[1] == ctx.shard_len:
+                if ctx.token_order is None or ctx.grid is None:  # set by the plan's grid hook
+                    raise RuntimeError("block-sparse ring attention needs tile-order shards")
+                return sp.sparse_ring_attention(
+                    q,
+                    k,
+                    v,
+                    latent_shape=ctx.grid,
+                    shard_len=ctx.shard_len,
+                    sparsity=self.settings.sparsity,
+                    block_size=self.settings.block_size,
                 )
-            return sp.ring_attention(q, k, v, self.context.seq_len, self.context.shard_len)
+            return sp.ring_attention(q, k, v, ctx.seq_len, ctx.shard_len)
         return super()._self_attention(q, k, v)
+
+
+def _sparse_ring_order(
+    settings: AttentionSettings, sp: SequenceParallel, context: ForwardContext, device: torch.device
+) -> None:
+    """Per forward: tile order and block-aligned shards when the ring runs block-sparse.
+
+    A ring chunk is ``ulysses_degree`` consecutive shards and must hold whole query and key
+    blocks, in the tile layout ``sparse_attention`` uses (default tile, frame 0 alone).
+    """
+    if sp.ring is None or settings.sparsity <= 0 or context.grid is None:
+        return
+    q_block, kv_block = block_shape(settings.block_size)
+    unit = math.lcm(q_block, kv_block)
+    align = unit // math.gcd(unit, sp.ulysses_degree)
+    context.set_grid(context.grid, sp.degree, align)
+    context.token_order = tiling.tile_layout(
+        context.grid, tiling.default_tile(kv_block), device, first_frame_alone=True
+    )
 
 
 class _ShardTokensHook(ModelHook):
@@ -70,7 +109,10 @@ class _ShardTokensHook(ModelHook):
 
     def post_forward(self, module, output):
         # Wan continues with .flatten(2).transpose(1, 2): a no-op flatten on the 3-D shard.
-        return self.sp.shard(output.flatten(2), self.context.shard_len, dim=2)
+        tokens = output.flatten(2)
+        if self.context.token_order is not None:
+            tokens = tiling.reorder(tokens, self.context.token_order, seq_dim=2)
+        return self.sp.shard(tokens, self.context.shard_len, dim=2)
 
 
 class _GatherTokensHook(ModelHook):
@@ -81,7 +123,10 @@ class _GatherTokensHook(ModelHook):
         self.context, self.sp = context, sp
 
     def pre_forward(self, module, hidden_states, *args, **kwargs):
-        return (self.sp.gather(hidden_states, self.context.seq_len), *args), kwargs
+        tokens = self.sp.gather(hidden_states, self.context.seq_len)
+        if self.context.token_order is not None:
+            tokens = tiling.restore(tokens, self.context.token_order, seq_dim=1)
+        return (tokens, *args), kwargs
 
 
 class _NoState(BaseState):
@@ -189,7 +234,8 @@ class WanParallelHandle:
         HookRegistry.check_if_exists_or_initialize(model.norm_out).remove_hook(
             _GATHER_HOOK, recurse=False
         )
-        _grid_hook(model).world = 1
+        grid_hook = _grid_hook(model)
+        grid_hook.world, grid_hook.on_grid = 1, None
         if state.users - {"parallel"}:
             # Others (the boost) still use the processors: back to the single-device one.
             model.set_attn_processor(BoostedWanAttnProcessor(state.settings, state.context))
@@ -220,13 +266,6 @@ def parallelize_transformer(model, config) -> WanParallelHandle | None:
             f"the transformer's {type(cached).__name__} decides from data each sequence-parallel "
             "rank holds only a shard of; remove that cache before ulysses_degree/ring_degree > 1"
         )
-    boosted = getattr(model, "_liteboost_state", None)
-    sparsity = boosted.settings.sparsity if isinstance(boosted, WanTransformerState) else 0.0
-    if config.ring_degree > 1 and sparsity > 0:
-        raise ValueError(
-            f"ring_degree={config.ring_degree} on a transformer boosted with sparsity={sparsity}: "
-            "ring attention is dense; use sparsity=0, or ulysses_degree instead of a ring"
-        )
     handle = WanParallelHandle(model, sequence=sequence, cfg=cfg)
     if sequence:
         sp = SequenceParallel(
@@ -239,7 +278,9 @@ def parallelize_transformer(model, config) -> WanParallelHandle | None:
         state = _attach(model, "parallel")
         state.settings.ulysses = sp
         model.set_attn_processor(HybridWanAttnProcessor(state.settings, state.context))
-        _grid_hook(model).world = sp.degree
+        grid_hook = _grid_hook(model)
+        grid_hook.world = sp.degree
+        grid_hook.on_grid = functools.partial(_sparse_ring_order, state.settings, sp)
         HookRegistry.check_if_exists_or_initialize(model.patch_embedding).register_hook(
             _ShardTokensHook(state.context, sp), _SHARD_HOOK
         )
