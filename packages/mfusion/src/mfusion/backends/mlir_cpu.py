@@ -17,6 +17,8 @@ to the ``scalar`` pipeline, and the measurement decides either way.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mfusion.autofuse.capability import MLIR_CPU_TABLE
@@ -34,6 +36,7 @@ def format_out_spec(values: list[torch.Tensor]) -> str:
     return ";".join(f"{_NAMES[v.dtype]}:{'x'.join(map(str, v.shape))}" for v in values)
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_out_spec(spec: str) -> list[tuple[torch.dtype, list[int]]]:
     parsed = []
     for item in spec.split(";"):

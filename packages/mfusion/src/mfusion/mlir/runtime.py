@@ -80,10 +80,23 @@ def _compile_cached(key: str, torch_backend_asm: str, pipeline: Pipeline) -> Com
     return CompiledRegion(torch_backend_asm, pipeline)
 
 
+_BY_IR: dict[tuple[str, str], CompiledRegion] = {}
+
+
 def compiled_region(torch_backend_asm: str, pipeline: Pipeline = "vector") -> CompiledRegion:
-    """The JIT-compiled region for this IR and pipeline, compiled on first use (thread-safe)."""
+    """The JIT-compiled region for this IR and pipeline, compiled on first use (thread-safe).
+
+    Called on every run of ``mfusion::mlir_region``: the fast path is one dict lookup keyed by
+    the IR string itself (whose hash Python caches), not a SHA-256 of the IR per call.
+    """
+    found = _BY_IR.get((torch_backend_asm, pipeline))
+    if found is not None:
+        return found
     with _LOCK:
-        return _compile_cached(region_key(torch_backend_asm), torch_backend_asm, pipeline)
+        region = _compile_cached(region_key(torch_backend_asm), torch_backend_asm, pipeline)
+        if len(_BY_IR) < 1024:
+            _BY_IR[(torch_backend_asm, pipeline)] = region
+        return region
 
 
 def run_blocks(
