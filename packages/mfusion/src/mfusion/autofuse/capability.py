@@ -115,10 +115,12 @@ ALL_KINDS = {
 }
 
 INDUCTOR_TABLE = _table("inductor", ALL_KINDS, FLOATS | {torch.float64})
-# The JIT lowers linalg to scalar loops; matmuls would lose to the BLAS call Inductor makes on any
-# CPU (every BLAS is tiled and vectorised), so the table leaves them out. Static shapes only: each
-# shape is one compiled kernel. max_numel bounds what one scalar-loop kernel is handed (64 MiB of
-# fp32 per tensor); it is a size guard for the correctness path, not a measured speed threshold.
+# The JIT's vector pipeline tiles and vectorises rows (element-wise, reductions, softmax, norms)
+# but has no GEMM strategy (register blocking, packing, K-panel caching), so a matmul would lose
+# to the BLAS call Inductor makes on any CPU; the table leaves matmuls (and so matmul + epilogue
+# regions) out. Static shapes only: each shape is one compiled kernel. max_numel bounds what one
+# kernel is handed (64 MiB of fp32 per tensor): a size guard, not a measured speed threshold;
+# whether a region pays is measured per region (mfusion.mlir.choice).
 MLIR_CPU_TABLE = _table(
     "mlir-cpu",
     {k: v for k, v in ALL_KINDS.items() if k is not RegionKind.MATMUL},

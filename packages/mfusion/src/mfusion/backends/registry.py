@@ -4,9 +4,10 @@ rule and logged.
 Each backend declares where it runs (its constraints) and whether it can run in this process
 (its ``installed`` probe: torch-mlir's JIT importable, torch_npu seeing a device). ``auto`` takes
 the first installed backend in priority order that accepts the machine's device: ``npu`` where
-torch_npu sees a device, else ``inductor``. ``mlir-cpu`` is never chosen automatically (it is a
-correctness path, slower than Inductor); naming a backend forces it, and a forced backend that
-cannot run here is an error naming why, never a silent fallback.
+torch_npu sees a device, else ``inductor``. ``mlir-cpu`` is never chosen automatically (it
+outlines a region only where measured faster than Inductor's kernel, but each first decision
+costs an Inductor compile of the region and its JIT compile); naming a backend forces it, and
+a forced backend that cannot run here is an error naming why, never a silent fallback.
 
 This module is data plus the registry: implementations are ``"module:Class"`` strings imported on
 first use, so importing it (from the config, which validates names) initialises no device and
@@ -80,7 +81,7 @@ BACKENDS.register(
         impl="mfusion.backends.mlir_cpu:MLIRCPUBackend",
         constraints=DeviceDtype(),
         installed=_mlir_installed,
-        priority=90,  # only when forced: a correctness path, slower than Inductor
+        priority=90,  # only when forced: its measured per-region choice costs compile time
     )
 )
 BACKEND_REGISTRY: dict[str, str] = {name: BACKENDS.get(name).impl for name in BACKENDS.names()}

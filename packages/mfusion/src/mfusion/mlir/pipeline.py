@@ -68,6 +68,7 @@ VECTOR_PIPELINE = ",".join(
         "func.func(cse)",
         "func.func(canonicalize)",
         "buffer-results-to-out-params{hoist-static-allocs modify-public-functions}",
+        "func.func(buffer-loop-hoisting)",
         "func.func(ownership-based-buffer-deallocation)",
         "buffer-deallocation-simplification",
         "bufferization-lower-deallocations",
@@ -115,7 +116,12 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
     from torch_mlir.compiler_utils import run_pipeline_with_repro_report
     from torch_mlir.dialects import torch as torch_d
 
-    from mfusion.mlir.vectorize import expand_transcendentals, fuse_rows, tile_and_vectorize
+    from mfusion.mlir.vectorize import (
+        expand_transcendentals,
+        fold_empty_slices,
+        fuse_rows,
+        tile_and_vectorize,
+    )
 
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline={pipeline!r} is not known; use one of {list(PIPELINES)}")
@@ -149,6 +155,7 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
     run_pipeline_with_repro_report(
         module, "builtin.module(func.func(canonicalize),func.func(cse))", "Cleaning up row loops"
     )
+    fold_empty_slices(module)
     tile_and_vectorize(module)
     run_pipeline_with_repro_report(
         module, f"builtin.module({VECTOR_PIPELINE})", "Lowering vectorised linalg -> LLVM"

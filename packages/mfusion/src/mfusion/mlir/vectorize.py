@@ -330,6 +330,29 @@ def fuse_rows(module: ir.Module) -> int:
     return len(roots)
 
 
+def fold_empty_slices(module: ir.Module) -> None:
+    """Give row-loop intermediates row-sized buffers: ``extract_slice(tensor.empty)`` becomes a
+    row-sized ``tensor.empty``, which bufferises to one row buffer hoisted out of the loop
+    (``buffer-loop-hoisting``) instead of a slice of a whole-tensor allocation."""
+    from torch_mlir import ir
+    from torch_mlir.dialects.transform import interpreter
+
+    script = ir.Module.parse(
+        "module attributes {transform.with_named_sequence} {\n"
+        "transform.named_sequence @__transform_main("
+        "%root: !transform.any_op {transform.readonly}) {\n"
+        '%f = transform.structured.match ops{["func.func"]} in %root '
+        ": (!transform.any_op) -> !transform.any_op\n"
+        "transform.apply_patterns to %f {\n"
+        "  transform.apply_patterns.tensor.fold_tensor_empty\n"
+        "  transform.apply_patterns.canonicalization\n"
+        "} : !transform.any_op\n"
+        "transform.yield\n}\n}",
+        module.context,
+    )
+    interpreter.apply_named_sequence(module.operation, script.body.operations[0], script)
+
+
 def tile_and_vectorize(module: ir.Module) -> int:
     """Tile every ``linalg.generic`` of ``module`` (linalg on tensors) to innermost rows and
     vectorise it; ops with dynamic or unsuitable loop ranges stay as they are (scalar loops).
