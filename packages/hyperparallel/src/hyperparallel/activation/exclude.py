@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar, overload
 
 from torch import nn
 
 from hyperparallel.activation.region import Phase, current_region
 
-T = TypeVar("T", bound=nn.Module | Callable[..., Any])
+M = TypeVar("M", bound=nn.Module)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def _excluded(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _excluded(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
         region = current_region()
         if region is None or region.excluding:
             return fn(*args, **kwargs)
@@ -30,7 +32,17 @@ def _excluded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def checkpoint_exclude_wrapper(module_or_fn: T) -> T:
+@overload
+def checkpoint_exclude_wrapper(module_or_fn: M) -> M: ...
+
+
+@overload
+def checkpoint_exclude_wrapper(module_or_fn: Callable[P, R]) -> Callable[P, R]: ...
+
+
+def checkpoint_exclude_wrapper(
+    module_or_fn: nn.Module | Callable[P, R],
+) -> nn.Module | Callable[P, R]:
     """Keep the outputs and saved tensors of ``module_or_fn`` when it runs inside a region.
 
     In forward the region's policy is suspended for the whole call (its dispatch mode is popped,

@@ -7,6 +7,7 @@ host copy, checking that it was not modified in place since forward.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -64,11 +65,15 @@ class RegionInputs:
         for i, t in list(self._tensors.items()):
             if is_parameter_like(t) or not t.untyped_storage().nbytes():
                 continue
-            swap = SwappedStorage(t, lambda i=i: f"input {i} of checkpoint region {self.name!r}")
+            swap = SwappedStorage(t, functools.partial(self._describe_input, i))
             self._swaps[i] = swap
             if self._tracker is not None:
                 self._tracker.move_tensor(t, "host")
             del self._tensors[i]
+
+    def _describe_input(self, index: int) -> str:
+        """Names an input in the error raised when it is modified after the offload."""
+        return f"input {index} of checkpoint region {self.name!r}"
 
     def release(self) -> None:
         """Drop the device references: nothing will read the inputs again."""

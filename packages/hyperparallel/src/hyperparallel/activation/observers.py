@@ -56,7 +56,10 @@ class RegionObserver(Protocol):
     returns.
     """
 
-    schedules_offload: bool
+    @property
+    def schedules_offload(self) -> bool:
+        """Read-only, so a class constant (``ClassVar[bool]``) satisfies it."""
+        ...
 
     def region_started(self, region: ObservedRegion) -> None:
         """A region's forward begins (regions arrive in forward order)."""

@@ -82,13 +82,18 @@ class EarlyRecompute1F1B(Schedule1F1B):
             finally:
                 session.release(bwd_chunk_id)
 
-        stage.forward_one_chunk = forward_one_chunk
-        stage.get_bwd_recv_ops = get_bwd_recv_ops
-        stage.backward_one_chunk = backward_one_chunk
+        # Instance attributes shadow the stage's methods for this step only.
+        patched = {
+            "forward_one_chunk": forward_one_chunk,
+            "get_bwd_recv_ops": get_bwd_recv_ops,
+            "backward_one_chunk": backward_one_chunk,
+        }
+        for name, fn in patched.items():
+            setattr(stage, name, fn)
         try:
             return super()._step_microbatches(*args, **kwargs)
         finally:
-            for name in ("forward_one_chunk", "get_bwd_recv_ops", "backward_one_chunk"):
+            for name in patched:
                 delattr(stage, name)
 
 

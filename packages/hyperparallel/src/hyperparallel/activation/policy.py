@@ -123,7 +123,7 @@ def save_matmuls_and_collectives(extra_ops: Iterable[object] = ()) -> PolicyFn:
     """
     saved = MATMUL_OPS | frozenset(extra_ops)
 
-    def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object):
+    def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
         if op in saved or is_collective(op):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -135,10 +135,11 @@ def uniform(choice: CheckpointPolicy) -> PolicyFn:
     """The same choice for every op (e.g. ``uniform(MUST_SWAP)`` swaps everything)."""
     choice = CheckpointPolicy(choice)
 
-    def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object):
+    def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
         return choice
 
-    policy.size_rule = lambda nbytes: choice
+    # mypy cannot type attributes set on a function; regions read it with getattr (PolicyFn)
+    policy.size_rule = lambda nbytes: choice  # type: ignore[attr-defined]
     return policy
 
 
@@ -155,7 +156,9 @@ def swap_saved_above(threshold_bytes: int, base: PolicyFn | None = None) -> Poli
         raise ValueError(f"threshold_bytes={threshold_bytes}: must be >= 0")
     base = base or save_matmuls_and_collectives()
 
-    def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object):
+    def policy(
+        ctx: PolicyContext, op: object, *args: object, **kwargs: object
+    ) -> CheckpointPolicy | None:
         choice = base(ctx, op, *args, **kwargs)
         if choice is not None and choice.is_save and ctx.output_nbytes >= threshold_bytes:
             if is_collective(op) and choice.is_must:
@@ -174,7 +177,7 @@ def swap_saved_above(threshold_bytes: int, base: PolicyFn | None = None) -> Poli
                 else choice
             )
 
-        policy.size_rule = size_rule
+        policy.size_rule = size_rule  # type: ignore[attr-defined]  # as in uniform()
     return policy
 
 

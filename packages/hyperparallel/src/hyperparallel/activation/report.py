@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -135,7 +135,7 @@ def tap_saved_tensors(tracker: ActivationTracker, placement: Placement) -> Itera
             tracker.add_tensor(tensor, placement)
             return tensor, tensor._version
 
-        def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        def unpack(packed: Any) -> torch.Tensor:  # (tensor, version) from pack
             # Hooks switch off autograd's own check that a saved tensor was not modified.
             tensor, version = packed
             if tensor._version != version:
@@ -153,7 +153,7 @@ def tap_saved_tensors(tracker: ActivationTracker, placement: Placement) -> Itera
             tracker.add_tensor(tensor, placement)
             return outer_pack(tensor)
 
-        def unpack(packed: object) -> torch.Tensor:
+        def unpack(packed: Any) -> torch.Tensor:
             return outer_unpack(packed)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -104,7 +104,9 @@ class SwappedStorage:
             self._restored, self._restored_event = self.host, self._offloaded
             return
         stream = self.engine.stream(self.device)
-        stream.wait_event(self._offloaded)
+        # npu_core.streams types streams and events as device-or-CPU unions; past the CPU
+        # branch both are the device's own
+        stream.wait_event(self._offloaded)  # type: ignore[arg-type]
         restored = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._restored_event = streams.copy_async(self.host, restored, stream)
         self._restored = restored
@@ -120,7 +122,8 @@ class SwappedStorage:
         self.prefetch()
         assert self._restored is not None and self._restored_event is not None
         if self.device.type != "cpu":
-            streams.current_stream(self.device).wait_event(self._restored_event)
+            # device stream and event (see prefetch)
+            streams.current_stream(self.device).wait_event(self._restored_event)  # type: ignore[arg-type]
         out = torch.empty(0, dtype=like.dtype, device=self.device)
         out.set_(self._restored.untyped_storage(), like.offset, like.size, like.stride)
         return out
@@ -139,7 +142,7 @@ class TensorMeta(NamedTuple):
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt  # what storage_offset() returns (symbolic when traced)
     requires_grad: bool
 
     @classmethod

@@ -36,6 +36,7 @@ def read_corpus(source: str | Path | None = None, max_bytes: int = 8_000_000) ->
         FileNotFoundError: ``source`` does not exist.
         ValueError: it is binary, holds no text, or too little to train on.
     """
+    suffixes: tuple[str, ...]
     if source is None:
         root, suffixes = stdlib_root(), (".py",)
     else:

@@ -18,13 +18,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from hyperparallel.models.families import FamilyPlan, Routing, plan_for
 from hyperparallel.models.lm_loss import DEFAULT_CHUNK_ROWS, chunked_linear_cross_entropy
+
+if TYPE_CHECKING:  # the `hf` extra; only annotations need it here
+    from transformers import PreTrainedModel
 
 
 class CausalLM(nn.Module):
@@ -37,7 +40,7 @@ class CausalLM(nn.Module):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         plan: FamilyPlan | None = None,
         *,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
@@ -84,7 +87,10 @@ class CausalLM(nn.Module):
                 f"sequence length {seq} exceeds max_position_embeddings={self.max_seq_len}"
             )
         extra = {"output_router_logits": True} if self._balance is not None else {}
-        out = self.model.model(input_ids=tokens, use_cache=False, **extra)
+        decoder = self.model.model  # the decoder stack under the LM head
+        if not isinstance(decoder, nn.Module):
+            raise TypeError(f"{type(self.model).__name__}.model is not the decoder module")
+        out = decoder(input_ids=tokens, use_cache=False, **extra)
         head = self.model.get_output_embeddings()
         loss = chunked_linear_cross_entropy(
             out.last_hidden_state,

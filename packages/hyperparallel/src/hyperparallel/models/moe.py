@@ -138,6 +138,9 @@ class Block(nn.Module):
 class MoETransformer(nn.Module):
     """Token embedding, blocks, final norm, untied output head."""
 
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg

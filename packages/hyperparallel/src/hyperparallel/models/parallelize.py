@@ -17,9 +17,21 @@ def build_mesh(shape: tuple[int, ...], device_type: str) -> DeviceMesh:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a model or of a pipeline stage (``layers`` list or dict)."""
+    """The transformer blocks of a model or of a pipeline stage (``layers`` list or dict).
+
+    Raises:
+        TypeError: ``model.layers`` is neither a ``ModuleList``/``Sequential`` nor a
+            ``ModuleDict``.
+    """
     layers = model.layers
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    if isinstance(layers, nn.ModuleList | nn.Sequential):
+        return list(layers)
+    raise TypeError(
+        f"{type(model).__name__}.layers is a {type(layers).__name__}; expected a ModuleList, "
+        "Sequential or ModuleDict of blocks"
+    )
 
 
 def apply_fsdp(

@@ -114,7 +114,7 @@ class BatchExchange:
         self._scattered = torch.empty(
             sum(self._out_splits), dtype=self._dtype, device=layout.device
         )
-        self._scatter_work = dist.all_to_all_single(
+        work = dist.all_to_all_single(
             self._scattered,
             torch.cat(send) if send else torch.empty(0, dtype=self._dtype, device=layout.device),
             output_split_sizes=self._out_splits,
@@ -122,6 +122,8 @@ class BatchExchange:
             group=layout.shard_group,
             async_op=True,
         )
+        assert work is not None  # async_op=True always returns the Work handle
+        self._scatter_work = work
         self._share: ReplicaShare | None = None
         self._mine: dict[int, torch.Tensor] | None = None
 
@@ -151,8 +153,8 @@ class BatchExchange:
             # Every replica holds the same shard rows, so one sum over the replicate group,
             # where each matrix is non-zero in exactly one replica, hands everyone all results.
             indices = sorted(a.index for a in self.batch)
-            rows = {i: self._splits[i][layout.shard_rank] for i in indices}
-            shapes = {i: (rows[i], self.shapes[i][1]) for i in indices}
+            local_rows = {i: self._splits[i][layout.shard_rank] for i in indices}
+            shapes = {i: (local_rows[i], self.shapes[i][1]) for i in indices}
             self._share = ReplicaShare(
                 mine, shapes, self._dtype, layout.replicate_group, layout.device
             )

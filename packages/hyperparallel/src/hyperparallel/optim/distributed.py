@@ -20,7 +20,7 @@ while batch k is orthogonalised; the experts' replica sum runs during the dense 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,34 +111,50 @@ class ShardedNewtonSchulz:
         self._plans: dict[tuple, MuonPlan] = {}
         self._spreads: dict[tuple, tuple[int, ...]] = {}
 
-    def __call__(self, updates: list[DTensor], params: list[DTensor]) -> list[DTensor]:
+    def __call__(
+        self, updates: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """Return the orthogonalised updates, each sharded exactly like its input.
 
         Every rank must pass the same parameters in the same order (as one optimizer does), so
-        that collectives are issued in the same order everywhere.
+        that collectives are issued in the same order everywhere. Typed as Muon's engine seam
+        (plain ``Tensor``), which gives it DTensors only.
 
         Args:
             updates: momentum updates, DTensors shaped and placed like ``params``.
             params: the parameters (their order names them in error messages).
+
+        Raises:
+            TypeError: naming the first update that is not a DTensor.
         """
         names = [f"#{i} {tuple(p.shape)}" for i, p in enumerate(params)]
-        layouts = [_classify(u, n) for u, n in zip(updates, names, strict=True)]
-        rows_groups: dict[tuple, list[int]] = {}
-        expert_groups: dict[tuple, list[int]] = {}
+        sharded = [u for u in updates if isinstance(u, DTensor)]
+        if len(sharded) != len(updates):
+            bad = next(i for i, u in enumerate(updates) if not isinstance(u, DTensor))
+            raise TypeError(
+                f"ShardedNewtonSchulz orthogonalises DTensor updates; update #{bad} is a "
+                f"{type(updates[bad]).__name__}"
+            )
+        layouts = [_classify(u, n) for u, n in zip(sharded, names, strict=True)]
+        # Each group: the layout of its first member, and the indices of its members.
+        rows_groups: dict[tuple, tuple[ShardLayout, list[int]]] = {}
+        expert_groups: dict[tuple, tuple[_ExpertLayout, list[int]]] = {}
         for i, layout in enumerate(layouts):
-            groups = rows_groups if isinstance(layout, ShardLayout) else expert_groups
-            groups.setdefault(_group_key(layout), []).append(i)
+            if isinstance(layout, ShardLayout):
+                rows_groups.setdefault(_group_key(layout), (layout, []))[1].append(i)
+            else:
+                expert_groups.setdefault(_group_key(layout), (layout, []))[1].append(i)
 
         results: dict[int, torch.Tensor] = {}
         pipelines = [
-            _RowsPipeline(self, updates, indices, layouts[indices[0]])
-            for indices in rows_groups.values()
+            _RowsPipeline(self, sharded, indices, layout)
+            for layout, indices in rows_groups.values()
         ]
         for pipeline in pipelines:
             pipeline.start()  # first gathers in flight while the experts compute
         shares = [
-            self._experts(updates, indices, layouts[indices[0]], pipelines, results)
-            for indices in expert_groups.values()
+            self._experts(sharded, indices, layout, pipelines, results)
+            for layout, indices in expert_groups.values()
         ]
         for pipeline in pipelines:
             results.update(pipeline.run())
@@ -154,7 +170,7 @@ class ShardedNewtonSchulz:
                 shape=u.shape,
                 stride=u.stride(),
             )
-            for i, u in enumerate(updates)
+            for i, u in enumerate(sharded)
         ]
 
     def orthogonalize(self, matrices: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -20,10 +20,10 @@ from hyperparallel.optim import newton_schulz
 from hyperparallel.optim.newton_schulz import CoefficientSpec, NsDtype
 
 Engine = Callable[[list[Tensor], list[Tensor]], list[Tensor]]
+"""(updates, params) -> orthogonalised updates, each shaped like its parameter."""
 
 DEFAULT_COMM_BATCH_BYTES = 64 * 2**20
 """Whole-matrix bytes an owner receives per communication batch when no memory budget is set."""
-"""(updates, params) -> orthogonalised updates, each shaped like its parameter."""
 
 ParamLabel = str | int
 """A parameter's name when the optimizer was given (name, tensor) pairs, else its flat index

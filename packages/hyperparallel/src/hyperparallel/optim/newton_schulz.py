@@ -10,6 +10,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 import torch
 from torch import Tensor
@@ -98,6 +99,8 @@ def check_ns_dtype(spec: object) -> NsDtype:
         if spec is dtype:
             return name
     try:
+        if not isinstance(spec, str):  # NsDtype would refuse it with the same ValueError
+            raise ValueError(spec)
         return NsDtype(spec)
     except ValueError:
         allowed = ", ".join(repr(d.value) for d in NsDtype)
@@ -168,16 +171,17 @@ def resolve_coefficients(spec: CoefficientSpec, steps: int) -> list[Coefficients
             return _polar_express_schedule(steps)
         return [KELLER if preset is CoefficientPreset.KELLER else QUINTIC] * steps
     values = tuple(spec) if isinstance(spec, Sequence) else ()
-    if len(values) != 3 or not all(_is_finite_number(v) for v in values):
+    numbers = [v for v in values if _is_finite_number(v)]
+    if len(values) != 3 or len(numbers) != 3:
         raise ValueError(
             f"ns_coefficients={spec!r} is invalid; give a preset name or three finite numbers "
             "(a, b, c)"
         )
-    a, b, c = (float(v) for v in values)
+    a, b, c = (float(v) for v in numbers)
     return [(a, b, c)] * steps
 
 
-def _is_finite_number(value: object) -> bool:
+def _is_finite_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 

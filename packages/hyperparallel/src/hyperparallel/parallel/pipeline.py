@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperparallel.models.moe import MoETransformer
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
 
 PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "dualpipev")
 """Names accepted by ``--pp-schedule``."""
@@ -91,6 +98,9 @@ class StageModule(nn.Module):
     the final norm and head on the last. ``balance_scale`` weights each block's balance loss
     (``balance_weight / n_layers``, the non-pipeline run's mean over blocks)."""
 
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(
         self, model: MoETransformer, layers: range, first: bool, last: bool, balance_scale: float
     ) -> None:
@@ -114,7 +124,7 @@ class StageModule(nn.Module):
             x, balance = layer(x, cos, sin)
             if self.balance_scale and torch.is_grad_enabled():
                 x = _AttachAux.apply(x, balance * self.balance_scale)
-        if self.lm_head is not None:
+        if self.norm is not None and self.lm_head is not None:  # both on the last stage only
             x = self.lm_head(self.norm(x))
         return x
 
@@ -153,7 +163,7 @@ class Pipeline:
 
     stages: list[StageModule]
     view: StagesView
-    schedule: object
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
     has_first: bool
     has_last: bool
     schedule_name: str

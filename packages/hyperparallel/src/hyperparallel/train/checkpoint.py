@@ -122,7 +122,7 @@ def latest(root: Path) -> Path | None:
         key=lambda p: p.name,
         reverse=True,
     )
-    skipped = []
+    skipped: list[str] = []
     for folder in folders:
         fault = verify(folder)
         if fault is None:

@@ -168,7 +168,8 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         cfg.steps,
         train_losses,
         val_losses,
-        sum(optimizer.muon.skipped_steps.values()),
+        # no Muon optimizer when no parameter of this rank is routed to it
+        sum(optimizer.muon.skipped_steps.values()) if optimizer.muon is not None else 0,
         saved.to_dict() if start < cfg.steps else {},
     )
 
