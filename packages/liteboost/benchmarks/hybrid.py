@@ -9,12 +9,15 @@ the step on one core with one thread. Layouts and the baseline alternate within 
 (interleaved rounds, median and quartiles); every layout's output is checked against the
 baseline's first.
 
-Besides the wall time, every rank records how long it was blocked in collectives (Ulysses
+Besides the wall time, every rank records its CPU time for the step (``time.process_time``:
+all its threads, gloo's included; on a shared, loaded machine the wall time also counts other
+jobs, the CPU time does not) and how long it was blocked in collectives (Ulysses
 all-to-alls, the ring's send/receive waits, block-sum and CFG all-gathers, the final token
 gather): "comm" below. That includes waiting for a slower peer, so it is an upper bound on
 communication cost, and "compute" is the step time minus it.
 
     python packages/liteboost/benchmarks/hybrid.py --out DIR [--rounds 5] [--frames 4 --size 32]
+        [--sparsity 0.5 --block-size 64]   # block-sparse: 1 rank vs the layouts' sparse paths
 
 With more ranks than cores (4 ranks on a 2-core machine) the ranks share cores: such rows
 measure the layouts' overhead, not their scaling.
@@ -118,7 +121,9 @@ def _step(model: torch.nn.Module, inputs: dict[str, dict[str, torch.Tensor]]) ->
 
 
 @torch.no_grad()
-def _rank(world: int, rounds: int, frames: int, size: int) -> dict[str, Any]:
+def _rank(
+    world: int, rounds: int, frames: int, size: int, sparsity: float, block_size: int
+) -> dict[str, Any]:
     clock = _CommClock()
     clock.install()
     barrier = dist.barrier  # not timed: it brackets the step
@@ -126,19 +131,23 @@ def _rank(world: int, rounds: int, frames: int, size: int) -> dict[str, Any]:
     pipe.transformer = build_tiny_transformer(**CONFIG)
     pipe._guidance_scale = 5.0  # do_classifier_free_guidance: both branches every step
     model = pipe.transformer
+    if sparsity > 0:
+        liteboost.BoostManager(model, sparsity=sparsity, block_size=block_size)
     inputs = _step_inputs(frames, size)
     rank = dist.get_rank()
     reference = _step(model, inputs) if rank == 0 else None
     layouts = LAYOUTS[world]
     times: dict[str, list[float]] = {"1 rank": []}
+    cpu: dict[str, list[float]] = {"1 rank": []}
     comm: dict[str, list[float]] = {}
     diff: dict[str, float] = {}
     for _ in range(rounds):
         barrier()
         if rank == 0:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             _step(model, inputs)
             times["1 rank"].append(time.perf_counter() - start)
+            cpu["1 rank"].append(time.process_time() - cpu_start)
         barrier()
         for cfg, ulysses, ring in layouts:
             name = " x ".join(
@@ -152,14 +161,15 @@ def _rank(world: int, rounds: int, frames: int, size: int) -> dict[str, Any]:
                 _step(model, inputs)  # warm-up: first-call allocations, gloo pairs
                 barrier()
                 clock.seconds = 0.0
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 out = _step(model, inputs)
+                cpu.setdefault(name, []).append(time.process_time() - cpu_start)
                 barrier()
                 times.setdefault(name, []).append(time.perf_counter() - start)
                 comm.setdefault(name, []).append(clock.seconds)
             if reference is not None and name not in diff:
                 diff[name] = (out - reference).abs().max().item()
-    return {"times": times, "comm": comm, "diff": diff}
+    return {"times": times, "cpu": cpu, "comm": comm, "diff": diff}
 
 
 def main() -> None:
@@ -169,10 +179,13 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=4, help="latent frames (post-patch)")
     parser.add_argument("--size", type=int, default=32, help="post-patch height = width")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
+    parser.add_argument("--sparsity", type=float, default=0.0, help="block sparsity (0: dense)")
+    parser.add_argument("--block-size", type=int, default=64)
     args = parser.parse_args()
     tokens = args.frames * args.size * args.size
     table = BenchTable(
-        f"Hybrid layouts, one CFG step (2 transformer calls), {tokens} tokens, gloo CPU ranks",
+        f"Hybrid layouts, one CFG step (2 transformer calls), {tokens} tokens, "
+        f"sparsity {args.sparsity}, gloo CPU ranks",
         [
             "ranks",
             "layout",
@@ -180,6 +193,8 @@ def main() -> None:
             "p25_ms",
             "p75_ms",
             "vs_1_rank",
+            "cpu_ms_per_rank",
+            "cpu_vs_1_rank",
             "comm_ms_per_rank",
             "compute_ms_per_rank",
             "max_abs_diff",
@@ -187,14 +202,29 @@ def main() -> None:
         {
             "config": CONFIG,
             "grid": [args.frames, args.size, args.size],
+            "sparsity": args.sparsity,
+            "block_size": args.block_size,
+            "cpu_vs_1_rank": "1-rank CPU time / busiest rank's CPU time (the speed-up on idle "
+            "cores if waiting were free)",
             "rounds": args.rounds,
             "vs_1_rank": "1-rank step / layout step (> 1 = faster)",
             "comm": "median over rounds of the mean over ranks of time blocked in collectives",
         },
     )
     for world in args.worlds:
-        ranks = launch(_rank, world, world, args.rounds, args.frames, args.size, timeout=1800)
+        ranks = launch(
+            _rank,
+            world,
+            world,
+            args.rounds,
+            args.frames,
+            args.size,
+            args.sparsity,
+            args.block_size,
+            timeout=1800,
+        )
         single = Timing(ranks[0]["times"]["1 rank"])
+        single_cpu = Timing(ranks[0]["cpu"]["1 rank"]).median
         table.add(
             ranks=1,
             layout=f"1 rank (in the {world}-rank launch)",
@@ -202,6 +232,8 @@ def main() -> None:
             p25_ms=single.p25 * 1e3,
             p75_ms=single.p75 * 1e3,
             vs_1_rank=1.0,
+            cpu_ms_per_rank=single_cpu * 1e3,
+            cpu_vs_1_rank=1.0,
             comm_ms_per_rank=0.0,
             compute_ms_per_rank=single.median * 1e3,
             max_abs_diff=0.0,
@@ -214,6 +246,8 @@ def main() -> None:
                 sum(r["comm"][name][i] for r in ranks) / world for i in range(len(seconds))
             ]
             comm = Timing(per_round).median
+            busiest = max(Timing(r["cpu"][name]).median for r in ranks)
+            mean_cpu = sum(Timing(r["cpu"][name]).median for r in ranks) / world
             table.add(
                 ranks=world,
                 layout=name,
@@ -221,6 +255,8 @@ def main() -> None:
                 p25_ms=timing.p25 * 1e3,
                 p75_ms=timing.p75 * 1e3,
                 vs_1_rank=single.median / timing.median,
+                cpu_ms_per_rank=mean_cpu * 1e3,
+                cpu_vs_1_rank=single_cpu / busiest,
                 comm_ms_per_rank=comm * 1e3,
                 compute_ms_per_rank=(timing.median - comm) * 1e3,
                 max_abs_diff=ranks[0]["diff"][name],
