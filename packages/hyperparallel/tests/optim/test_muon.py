@@ -202,3 +202,14 @@ def test_muon_state_dict_round_trip():
     restored.step()
     for p, c in zip(params, clones, strict=True):
         assert torch.equal(p, c)
+
+
+def test_sharded_engine_refuses_plain_tensor_updates():
+    """The distributed engine names the first update that is not a DTensor, before any
+    collective (Muon only hands it DTensors; a direct caller gets a clear error)."""
+    from hyperparallel.optim.distributed import ShardedNewtonSchulz
+
+    engine = ShardedNewtonSchulz(lambda matrices: matrices)
+    updates = [torch.zeros(4, 4), torch.zeros(2, 3)]
+    with pytest.raises(TypeError, match=r"update #0 is a Tensor"):
+        engine(updates, updates)
