@@ -4,8 +4,10 @@ modeling code: inference and one training step, fp32 and bf16.
     python packages/mfusion/benchmarks/real_models.py --out bench-results/mfusion-real
 
 Models (tiny configs, random weights, see ``zoo/library.py``): BERT, ViT, Whisper, CLIP, Llama,
-Qwen3, Mistral, DiT (diffusers), ResNet-18 (transformers), and the look-alike DCGAN generator
-(no library ships one). Modes: ``infer-fp32``, ``infer-bf16``, ``train-fp32``, ``train-bf16``.
+Qwen3, Mistral, DiT (diffusers), ResNet-18 (transformers), the look-alike DCGAN generator
+(no library ships one), and ``llama_eager``: the same Llama with transformers' eager attention
+at 512 tokens (the form Inductor's own SDPA patterns miss, which mfusion's ``attention`` takes).
+Modes: ``infer-fp32``, ``infer-bf16``, ``train-fp32``, ``train-bf16``.
 Inference compiles with ``freezing`` (weights become constants, as Inductor's own CPU dashboard
 runs inference; set globally while calling, since Dynamo reads the global flag when tracing);
 ``--no-freezing`` turns it off. A training step is forward + loss + backward.
