@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mfusion.backends.mlir_cpu import MLIRCPUBackend, format_out_spec, mlir_region
+from mfusion.backends.mlir_cpu import MLIRCPUBackend, format_out_spec
 from mfusion.machine import MachineProfile
 from mfusion.mlir.choice import example_inputs, inductor_kernel
 from mfusion.mlir.importer import import_region
@@ -123,7 +123,8 @@ def mlir_call(gm, inputs, pipeline: str, threads: int) -> Callable[[], object]:
     block_ir, split = ("", "")
     if pipeline == "vector":
         block_ir, split = MLIRCPUBackend._blocks(_Region(gm), threads, "vector")
-    return lambda: mlir_region(inputs, ir, spec, pipeline, block_ir, split)
+    op = torch.ops.mfusion.mlir_region.default  # as the compiled graph calls it
+    return lambda: op(inputs, ir, spec, pipeline, block_ir, split)
 
 
 class _Region:
