@@ -50,8 +50,9 @@ def parse_out_spec(spec: str) -> list[tuple[torch.dtype, list[int]]]:
 # cost of every call (54 vs 27 us measured on the loaded 2-core machine), which small regions
 # pay on each run. The op is never differentiated: it runs inside compiled graphs, whose
 # autograd AOTAutograd handles around it.
-_LIB = torch.library.Library("mfusion", "FRAGMENT")
-_LIB.define(
+# torch.library's registration API is not annotated: the ignores below are that, nothing else.
+_LIB = torch.library.Library("mfusion", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIB.define(  # type: ignore[no-untyped-call]
     "mlir_region(Tensor[] inputs, str ir, str out_spec, str pipeline='vector', "
     "str block_ir='', str split='') -> Tensor[]"
 )
@@ -83,10 +84,10 @@ def mlir_region(
     return outputs
 
 
-_LIB.impl("mlir_region", mlir_region, "CPU")
+_LIB.impl("mlir_region", mlir_region, "CPU")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("mfusion::mlir_region", lib=_LIB)
+@torch.library.register_fake("mfusion::mlir_region", lib=_LIB)  # type: ignore[untyped-decorator]
 def _mlir_region_fake(
     inputs: list[torch.Tensor],
     ir: str,
