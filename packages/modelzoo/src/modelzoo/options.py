@@ -74,8 +74,9 @@ class TrainOptions(StrictConfig):
     nproc: int = Field(2, ge=1, description="Local ranks to spawn (ignored under torchrun).")
     mesh: str = Field(
         "fsdp",
-        description="hyperparallel mesh over the ranks: 'fsdp' (all ranks shard) or 'RxS' "
-        "(HSDP: R replicas of S shards); pp and ep are not supported for these models.",
+        description="hyperparallel mesh over the ranks: 'fsdp' (all ranks shard), 'RxS' "
+        "(HSDP: R replicas of S shards) or 'ep=2,dp_shard=1' (expert parallelism, MoE cards); "
+        "pp is not supported for these models.",
     )
     steps: int = Field(20, ge=1, description="Optimizer steps (a resumed run included).")
     data: Path | None = Field(
