@@ -86,37 +86,11 @@ def _single_process(shape: dict, family: str) -> tuple[float, dict[str, torch.Te
     return full_ce.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _torch_step(
-    shape: dict, family: str, grads: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The initial weights stepped with ``grads`` by torch.optim.Muon and torch.optim.AdamW."""
-    model = _wrapped(shape, family)
-    routing = model.routing()
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    # torch.optim.Muon takes 2-D matrices only: each expert of a stack is its own matrix.
-    views, leaves = [], []
-    for name in routing.muon:
-        stack, grad = params[name], grads[name]
-        if stack.ndim == 2:
-            stack, grad = stack[None], grad[None]
-        for view, g in zip(stack.unbind(0), grad.unbind(0), strict=True):
-            leaf = view.clone().requires_grad_()
-            leaf.grad = g
-            views.append(view)
-            leaves.append(leaf)
-    torch.optim.Muon(leaves, adjust_lr_fn="original", **MUON).step()
-    for view, leaf in zip(views, leaves, strict=True):
-        view.copy_(leaf.detach())  # writes back into the stacks
-    adamw = [params[n].requires_grad_() for n in routing.adamw]
-    for p, name in zip(adamw, routing.adamw, strict=True):
-        p.grad = grads[name]
-    torch.optim.AdamW(adamw, **ADAMW).step()
-    return {n: p.detach() for n, p in params.items()}
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fsdp2_step_equals_single_process_and_torch_optimizers(family: str, tiny_hf_shape: dict):
+def test_fsdp2_step_equals_single_process_and_torch_optimizers(
+    family: str, tiny_hf_shape: dict, torch_optimizer_step
+):
     want_loss, want_grads = _single_process(tiny_hf_shape, family)
     results = launch(_fsdp_step, 2, tiny_hf_shape, family, timeout=240)
     for loss, grads, params in results:
@@ -126,6 +100,6 @@ def test_fsdp2_step_equals_single_process_and_torch_optimizers(family: str, tiny
         for name, grad in grads.items():
             torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
         # the distributed update equals torch's optimizers on the gathered matrices
-        want = _torch_step(tiny_hf_shape, family, grads)
+        want = torch_optimizer_step(_wrapped(tiny_hf_shape, family), grads, MUON, ADAMW)
         for name, value in params.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=1e-6, msg=name)
