@@ -188,7 +188,7 @@ def compose(*policies: PolicyFn) -> PolicyFn:
     if not policies:
         raise ValueError("compose() needs at least one policy function")
 
-    def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object):
+    def policy(ctx: PolicyContext, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
         preferred = None
         for fn in policies:
             choice = fn(ctx, op, *args, **kwargs)

@@ -113,7 +113,13 @@ class ForwardMode(TorchDispatchMode):
         super().__init__()
         self.recorder, self.skip = recorder, skip
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not self.skip():

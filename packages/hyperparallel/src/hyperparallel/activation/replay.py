@@ -121,7 +121,13 @@ class _ReplayMode(TorchDispatchMode):
         super().__init__()
         self.replay = replay
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if self.replay.in_hook:
             return func(*args, **(kwargs or {}))
         return self.replay.replay_op(func, args, kwargs or {})

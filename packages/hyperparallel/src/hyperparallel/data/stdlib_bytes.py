@@ -117,7 +117,9 @@ class ByteBatches:
             )
         self.seq_len, self.seed = seq_len, seed
 
-    def _windows(self, data: torch.Tensor, samples: range, key: int):
+    def _windows(
+        self, data: torch.Tensor, samples: range, key: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # One generator per (sample, key): sample j of a step is the same window whichever
         # rank draws it, so layouts with the same global batch see the same data.
         starts = [
@@ -132,7 +134,9 @@ class ByteBatches:
         samples ``rank * batch ... rank * batch + batch - 1`` of the step's global batch."""
         return self._windows(self.train, range(rank * batch, (rank + 1) * batch), step)
 
-    def val_batches(self, rank: int, batch: int, count: int):
+    def val_batches(
+        self, rank: int, batch: int, count: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The same ``count`` held-out batches every time it is called (for comparable losses),
         drawn like :meth:`train_batch` so every layout validates on the same samples."""
         samples = range(rank * batch, (rank + 1) * batch)

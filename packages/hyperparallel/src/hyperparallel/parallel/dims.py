@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hyperparallel.parallel.mesh import MeshSet
 
 MESH_DIMS = ("pp", "dp_replicate", "ep", "dp_shard")
 """Mesh dimensions, outermost first (``dp_shard`` innermost: its collectives are the busiest)."""
@@ -42,7 +46,7 @@ class ParallelDims:
         parts = [f"{d}={getattr(self, d)}" for d in MESH_DIMS if getattr(self, d) > 1]
         return ",".join(parts) or "dp_shard=1"
 
-    def build(self, device_type: str):
+    def build(self, device_type: str) -> MeshSet:
         """Create the world's ``DeviceMesh`` and the sub-meshes each parallelism uses.
 
         Returns:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hyperparallel.parallel.dims import ParallelDims
 from hyperparallel.parallel.pipeline import split_layers, stages_per_rank
+
+if TYPE_CHECKING:
+    from hyperparallel.train.config import TrainConfig
 
 
 def local_batch_size(
@@ -32,7 +37,7 @@ def local_batch_size(
     return local
 
 
-def check_layout(cfg, dims: ParallelDims) -> int:
+def check_layout(cfg: TrainConfig, dims: ParallelDims) -> int:
     """Everything about ``cfg`` (a ``TrainConfig``) that depends on the mesh; returns the local
     batch size.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch import nn
 from hyperparallel.models.moe import MoETransformer
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining.schedules import (
         PipelineScheduleMulti,
         PipelineScheduleSingle,
@@ -83,12 +84,12 @@ class _AttachAux(torch.autograd.Function):
     so a stage's balance loss is trained without passing it through the pipeline."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return x.clone()  # not a view: FSDP's pre-backward hook must see the stage output
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape, dtype, device = ctx.aux_meta
         return grad, torch.ones(shape, dtype=dtype, device=device)
 
@@ -238,7 +239,7 @@ def build_pipeline(
     schedule: str,
     microbatches: int,
     virtual_stages: int,
-    pp_mesh,
+    pp_mesh: DeviceMesh,
     device: torch.device,
     balance_weight: float,
     shard: Callable[[StageModule], None],
