@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
 from liteboost.attention.backends import parse_backend
 from npu_core.config import StrictConfig
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 
 
 class GenerateOptions(StrictConfig):
@@ -90,7 +93,7 @@ class GenerateOptions(StrictConfig):
         return None if value is None else parse_backend(value).value
 
 
-def _load_pipeline(model: str | None):
+def _load_pipeline(model: str | None) -> WanPipeline:
     if model is None:
         from liteboost.tiny import build_tiny_pipeline
 
@@ -138,7 +141,9 @@ def generate_rank(options: GenerateOptions) -> dict | None:
     with Progress(disable=not lead, transient=False) as progress:
         task = progress.add_task("denoising", total=options.steps)
 
-        def on_step(pipeline, step, timestep, kwargs):
+        def on_step(
+            pipeline: Any, step: int, timestep: Any, kwargs: dict[str, Any]
+        ) -> dict[str, Any]:
             progress.advance(task)
             return kwargs
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from PIL import Image
 from npu_core.files import atomic_path
 
 
-def _atomic(path: Path, write) -> Path:
+def _atomic(path: Path, write: Callable[[Path], object]) -> Path:
     """Run ``write(tmp_path)`` on a temporary name in ``path``'s folder, then rename it."""
     with atomic_path(path) as tmp:
         write(tmp)

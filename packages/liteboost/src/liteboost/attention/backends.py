@@ -153,7 +153,9 @@ ATTENTION_BACKENDS: Registry[BackendSpec, AttentionCall] = Registry("attention b
 _PRIORITY = {backend: 10 * (i + 1) for i, backend in enumerate(AttentionBackend)}
 
 
-def _register(name: AttentionBackend, constraints: Constraints, layout: str):
+def _register(
+    name: AttentionBackend, constraints: Constraints, layout: str
+) -> Callable[[Callable[[], Kernel | None]], Callable[[], Kernel | None]]:
     """Register ``load`` (returns the kernel, or None when its package is missing) as ``name``."""
 
     def decorate(load: Callable[[], Kernel | None]) -> Callable[[], Kernel | None]:
@@ -188,7 +190,7 @@ def _fa3_kernel() -> Kernel | None:
     if fn is None:
         return None
 
-    def run(q, k, v, scale):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         out = fn(q, k, v, softmax_scale=scale)
         return out[0] if isinstance(out, tuple) else out
 
@@ -223,7 +225,7 @@ def _npu_kernel() -> Kernel | None:
         return None
     op = torch_npu.npu_fusion_attention
 
-    def run(q, k, v, scale):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         heads = q.shape[2]
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         return op(q, k, v, heads, input_layout="BSND", scale=scale)[0]

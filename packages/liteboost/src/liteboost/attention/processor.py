@@ -10,7 +10,7 @@ Cross-attention (text and the I2V image branch) always runs dense and unsharded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -61,7 +61,7 @@ def _rotate_diffusers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return out.type_as(x)
 
 
-def _rotate(x: torch.Tensor, rotary_emb) -> torch.Tensor:
+def _rotate(x: torch.Tensor, rotary_emb: Any) -> torch.Tensor:
     if isinstance(rotary_emb, RopeTables):
         return apply_rope(x, rotary_emb.pair_cos, rotary_emb.pair_sin)
     return _rotate_diffusers(x, *rotary_emb)
@@ -74,7 +74,12 @@ class BoostedWanAttnProcessor:
         self.settings = settings
         self.context = context
 
-    def _projections(self, attn, hidden_states, encoder_hidden_states):
+    def _projections(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
         source = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         if getattr(attn, "fused_projections", False):
             if encoder_hidden_states is None:
@@ -82,7 +87,7 @@ class BoostedWanAttnProcessor:
             return (attn.to_q(hidden_states), *attn.to_kv(source).chunk(2, dim=-1))
         return attn.to_q(hidden_states), attn.to_k(source), attn.to_v(source)
 
-    def _self_attention(self, q, k, v) -> torch.Tensor:
+    def _self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = self.settings
         ulysses = s.ulysses
         if ulysses is not None:
@@ -107,11 +112,11 @@ class BoostedWanAttnProcessor:
 
     def __call__(
         self,
-        attn,
+        attn: Any,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        rotary_emb=None,
+        rotary_emb: Any = None,
     ) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -22,6 +22,14 @@ from liteboost.ops import tiling
 from liteboost.ops.rope import RopeTables, rope_tables
 from liteboost.parallel import vae_dp
 from liteboost.parallel.ulysses import TokenShards
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.vae import DecoderOutput, DiagonalGaussianDistribution
+    from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
+    from liteboost.boost import BoostConfig
+    from liteboost.parallel.manager import ParallelConfig
+    from liteboost.parallel.wan import WanParallelHandle
 
 # Wan builds WanRotaryPosEmbed with its default theta.
 _WAN_ROPE_THETA = 10000.0
@@ -38,7 +46,9 @@ class _GridHook(ModelHook):
         # Set by the parallel plan: decides this forward's token order and shard alignment.
         self.on_grid: Callable[[ForwardContext, torch.device], None] | None = None
 
-    def pre_forward(self, module, *args, **kwargs):
+    def pre_forward(
+        self, module: torch.nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         _, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.patch_size
@@ -74,7 +84,7 @@ def _reorder_rotary(rotary: Any, layout: tiling.TileLayout) -> Any:
     return tuple(tiling.reorder(t, layout, seq_dim=1) for t in rotary)
 
 
-def _pad_rotary(rotary, total: int):
+def _pad_rotary(rotary: Any, total: int) -> Any:
     if isinstance(rotary, RopeTables):
         return rotary.padded(total)
     cos, sin = rotary[0], rotary[1]
@@ -89,7 +99,9 @@ def _pad_rotary(rotary, total: int):
 class _UlyssesBlockHook(ModelHook):
     """Shards a block's inputs along the sequence; the first block also shards hidden states."""
 
-    def __init__(self, context: ForwardContext, exchange: TokenShards, first: bool, last: bool):
+    def __init__(
+        self, context: ForwardContext, exchange: TokenShards, first: bool, last: bool
+    ) -> None:
         super().__init__()
         self.context, self.exchange, self.first, self.last = context, exchange, first, last
 
@@ -118,7 +130,14 @@ class _UlyssesBlockHook(ModelHook):
             return rotary.narrow(start, ctx.shard_len)
         return tuple(t.narrow(1, start, ctx.shard_len) for t in rotary)
 
-    def pre_forward(self, module, hidden_states, encoder_hidden_states, temb, rotary_emb):
+    def pre_forward(
+        self,
+        module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: Any,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         ctx, ex = self.context, self.exchange
         if self.first:
             if ctx.token_order is not None:
@@ -129,7 +148,7 @@ class _UlyssesBlockHook(ModelHook):
         rotary = self._local("rotary", rotary_emb, self._local_rotary)
         return (hidden_states, encoder_hidden_states, temb, rotary), {}
 
-    def post_forward(self, module, output):
+    def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
         if self.last:
             output = self.exchange.gather(output, self.context.seq_len)
             if self.context.token_order is not None:
@@ -147,7 +166,7 @@ class WanTransformerState:
     users: set[str] = field(default_factory=set)
 
 
-def _state(model) -> WanTransformerState:
+def _state(model: Any) -> WanTransformerState:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         state = WanTransformerState()
@@ -155,7 +174,7 @@ def _state(model) -> WanTransformerState:
     return state
 
 
-def _attach(model, user: str) -> WanTransformerState:
+def _attach(model: Any, user: str) -> WanTransformerState:
     """Install the boosted processors and the grid hook (once per model), register ``user``."""
     state = _state(model)
     if not state.users:
@@ -176,7 +195,7 @@ def _grid_hook(model: torch.nn.Module) -> _GridHook:
     return hook
 
 
-def _detach(model, user: str) -> None:
+def _detach(model: Any, user: str) -> None:
     state = _state(model)
     state.users.discard(user)
     if not state.users:
@@ -209,7 +228,7 @@ class _WanBoostHandle:
 
 
 @register_boost("WanTransformer3DModel")
-def boost_wan_transformer(model, config) -> _WanBoostHandle:
+def boost_wan_transformer(model: Any, config: BoostConfig) -> _WanBoostHandle:
     """Sparse self-attention, the dense backend chain and cached RoPE on a Wan transformer."""
     state = _attach(model, "boost")
     s = state.settings
@@ -224,7 +243,7 @@ def boost_wan_transformer(model, config) -> _WanBoostHandle:
 
 
 @register_parallel("WanTransformer3DModel")
-def parallelize_wan_transformer(model, config):
+def parallelize_wan_transformer(model: Any, config: ParallelConfig) -> WanParallelHandle | None:
     """CFG x Ring x Ulysses on the transformer (``liteboost.parallel.wan``); None when all are 1."""
     from liteboost.parallel.wan import parallelize_transformer
 
@@ -241,7 +260,7 @@ class _VaeHandle:
 
 
 @register_parallel("AutoencoderKLWan")
-def parallelize_wan_vae(vae, config) -> _VaeHandle | None:
+def parallelize_wan_vae(vae: Any, config: ParallelConfig) -> _VaeHandle | None:
     """Temporal DP decode and encode over ``config.group_for_vae``; None when off or on one rank."""
     if not config.vae_parallel or config.world_size <= 1:
         return None
@@ -252,13 +271,15 @@ def parallelize_wan_vae(vae, config) -> _VaeHandle | None:
     stock_encode = type(vae).encode.__get__(vae)
     group, field_override = config.group_for_vae, config.vae_receptive_field
 
-    def decode(z: torch.Tensor, return_dict: bool = True):
+    def decode(z: torch.Tensor, return_dict: bool = True) -> DecoderOutput | tuple[torch.Tensor]:
         frames = vae_dp.parallel_decode(
             vae, z, lambda x: stock_decode(x).sample, group, field_override, config.vae_mode
         )
         return DecoderOutput(sample=frames) if return_dict else (frames,)
 
-    def encode(x: torch.Tensor, return_dict: bool = True):
+    def encode(
+        x: torch.Tensor, return_dict: bool = True
+    ) -> AutoencoderKLOutput | tuple[DiagonalGaussianDistribution]:
         moments = vae_dp.parallel_encode(
             vae, x, lambda v: stock_encode(v).latent_dist.parameters, group, field_override
         )

@@ -17,6 +17,7 @@ masked where it is gathered.
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,36 @@ def _tail_bias(
     return torch.zeros(hidden.shape, dtype=dtype, device=ids.device).masked_fill_(hidden, -math.inf)
 
 
-def _attend(q, k, v, bias, scale, with_lse: bool):
+@overload
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float | None,
+    with_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float | None,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float | None,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA on BNSD tensors; with the log-sum-exp [B, N, S] (fp32) if asked.
 
     Only CPU exposes the LSE of its fused kernel (``_scaled_dot_product_flash_attention_for_cpu``),

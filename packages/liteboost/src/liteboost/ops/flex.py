@@ -11,10 +11,14 @@ import logging
 import math
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from liteboost.ops.blocks import BlockSize, block_shape
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,9 @@ def _compiled_flex(key: tuple) -> Callable[..., torch.Tensor]:
         return fn
 
 
-def build_block_mask(block_index: torch.Tensor, block_size: BlockSize, seq_len: tuple[int, int]):
+def build_block_mask(
+    block_index: torch.Tensor, block_size: BlockSize, seq_len: tuple[int, int]
+) -> BlockMask:
     """FlexAttention ``BlockMask`` from a -1 padded key-block list [B, N, nq, K].
 
     Every listed block is passed as a *full* block (no per-token mask inside), so the kernel skips
@@ -76,7 +82,7 @@ def flex_block_sparse_attention(
     block_index: torch.Tensor,
     block_size: BlockSize,
     scale: float | None = None,
-    block_mask=None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor:
     """FlexAttention kernel; [B, N, S, D] in and out. ``block_mask`` may be prebuilt."""
     block_size = block_shape(block_size)

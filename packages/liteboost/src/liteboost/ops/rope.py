@@ -36,7 +36,7 @@ class RopeTables(tuple):
         tables.pair_cos, tables.pair_sin = pair_cos, pair_sin
         return tables
 
-    def __getnewargs__(self):
+    def __getnewargs__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return (self[0], self[1], self.pair_cos, self.pair_sin)
 
     def narrow(self, start: int, length: int) -> RopeTables:

@@ -149,7 +149,13 @@ def select_pooled_blocks(
     return index, keep
 
 
-def _tile_layout(q, latent_shape, block_size, tile, first_frame_sink):
+def _tile_layout(
+    q: torch.Tensor,
+    latent_shape: tuple[int, int, int],
+    block_size: tuple[int, int],
+    tile: tuple[int, int, int] | None,
+    first_frame_sink: bool,
+) -> tiling.TileLayout:
     """The tile permutation for checked BNSD inputs.
 
     Default tiles hold one key block, so every key block is a compact 3-D neighbourhood; a
@@ -160,7 +166,14 @@ def _tile_layout(q, latent_shape, block_size, tile, first_frame_sink):
     )
 
 
-def _select_tiled(qt, kt, layout, latent_shape, sparsity, block_size) -> SparsePlan:
+def _select_tiled(
+    qt: torch.Tensor,
+    kt: torch.Tensor,
+    layout: tiling.TileLayout,
+    latent_shape: tuple[int, int, int],
+    sparsity: float,
+    block_size: tuple[int, int],
+) -> SparsePlan:
     index, keep = select_blocks(
         qt,
         kt,

@@ -38,15 +38,15 @@ class ParallelConfig:
     ulysses_degree: int
     vae_parallel: bool
     pad_heads: bool = True
-    group: object | None = None
-    group_for_vae: object | None = None
+    group: dist.ProcessGroup | None = None
+    group_for_vae: dist.ProcessGroup | None = None
     vae_receptive_field: int | None = None
     cfg_degree: int = 1
     ring_degree: int = 1
     mesh: object | None = None
-    cfg_group: object | None = None
-    ring_group: object | None = None
-    sp_group: object | None = None
+    cfg_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+    sp_group: dist.ProcessGroup | None = None
     pipeline: object | None = None
     vae_mode: str | None = None
 

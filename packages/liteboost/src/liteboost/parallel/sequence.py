@@ -134,7 +134,9 @@ class SequenceParallel(TokenShards):
         return out
 
 
-def _dense(q, k, v, seq_len, scale):
+def _dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float | None
+) -> torch.Tensor:
     # Only reached with ring_degree == 1, where callers use scatter_heads instead.
     k, v = k[:, :seq_len], v[:, :seq_len]
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -57,17 +57,18 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def temporal_factor(vae) -> int:
+def temporal_factor(vae: Any) -> int:
     """Output frames per latent frame after the first (4 for Wan)."""
     return 2 ** sum(bool(x) for x in vae.config.temperal_downsample)
 
 
-def decoder_receptive_field(vae) -> int:
+def decoder_receptive_field(vae: Any) -> int:
     """Latent frames before t that can influence the frames decoded from latent t.
 
     Walks the decoder in execution order: every causal convolution with temporal history h
@@ -92,7 +93,7 @@ def decoder_receptive_field(vae) -> int:
     return math.ceil(field) + 1
 
 
-def encoder_receptive_field(vae) -> int:
+def encoder_receptive_field(vae: Any) -> int:
     """Latent frames (4-frame chunks) before t that can influence latent t in an encode.
 
     Every causal convolution with history h at temporal downsampling s spans h * s pixel
@@ -145,7 +146,7 @@ def _output_index(latent: int, factor: int) -> int:
     return 0 if latent == 0 else 1 + factor * (latent - 1)
 
 
-def _per_sample(vae, batch: int) -> bool:
+def _per_sample(vae: Any, batch: int) -> bool:
     """Whether the stock decode / encode runs one sample at a time (diffusers' ``use_slicing``)."""
     return bool(getattr(vae, "use_slicing", False)) and batch > 1
 
@@ -163,7 +164,7 @@ def _output_replaced(
 
 
 def decode_span(
-    vae, z: torch.Tensor, span: Span, decode_fn: Callable[[torch.Tensor], torch.Tensor]
+    vae: Any, z: torch.Tensor, span: Span, decode_fn: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
     """The output frames of latents [span.start, span.stop), decoded from the span's window.
 
@@ -200,7 +201,7 @@ def decode_span(
 
 
 def encode_span(
-    vae, x: torch.Tensor, span: Span, encode_fn: Callable[[torch.Tensor], torch.Tensor]
+    vae: Any, x: torch.Tensor, span: Span, encode_fn: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
     """Encoder output (before ``quant_conv``) of latents [span.start, span.stop), from its window.
 
@@ -227,14 +228,16 @@ def encode_span(
     return moments[:, :, span.start - span.window : span.stop - span.window]
 
 
-def finish_encode(vae, encoded: torch.Tensor) -> torch.Tensor:
+def finish_encode(vae: Any, encoded: torch.Tensor) -> torch.Tensor:
     """``quant_conv`` over the whole clip's encoder output, batched as the stock encode does."""
     if _per_sample(vae, encoded.shape[0]):
         return torch.cat([vae.quant_conv(one) for one in encoded.split(1)])
     return vae.quant_conv(encoded)
 
 
-def _gather_frames(local: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+def _gather_frames(
+    local: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """all_gather of [B, C, T_r, H, W] with per-rank T_r, by padding to max(T_r)."""
     longest = max(counts)
     if local.shape[2] < longest:
@@ -247,7 +250,7 @@ def _gather_frames(local: torch.Tensor, counts: list[int], group) -> torch.Tenso
 
 
 def choose_decode_mode(
-    vae, z: torch.Tensor, world_size: int, receptive_field: int | None = None
+    vae: Any, z: torch.Tensor, world_size: int, receptive_field: int | None = None
 ) -> str:
     """ "spatial" or "temporal": the mode whose busiest rank does less decoder work for ``z``.
 
@@ -279,10 +282,10 @@ def choose_decode_mode(
 
 
 def parallel_decode(
-    vae,
+    vae: Any,
     z: torch.Tensor,
     decode_fn: Callable[[torch.Tensor], torch.Tensor],
-    group=None,
+    group: dist.ProcessGroup | None = None,
     receptive_field: int | None = None,
     mode: str | None = None,
 ) -> torch.Tensor:
@@ -316,10 +319,10 @@ def parallel_decode(
 
 
 def parallel_encode(
-    vae,
+    vae: Any,
     x: torch.Tensor,
     encode_fn: Callable[[torch.Tensor], torch.Tensor],
-    group=None,
+    group: dist.ProcessGroup | None = None,
     receptive_field: int | None = None,
 ) -> torch.Tensor:
     """Encode video ``x`` [B, 3, T, H, W] across ranks; every rank gets the full moments.

@@ -89,7 +89,7 @@ def _conv_geometry(module: Any) -> tuple[int, int] | None:
     return pad_h, flops // module.groups
 
 
-def spatial_plan(vae) -> SpatialPlan | None:
+def spatial_plan(vae: Any) -> SpatialPlan | None:
     """The halo plan of ``vae.decoder``; None when something after the middle block is not local.
 
     Walks the modules after the middle block (up blocks, head); every module must be of a kind
@@ -140,7 +140,7 @@ def plan_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
 class HaloExchange:
     """Row halos between neighbouring ranks of ``group`` (rank r holds the r-th slab)."""
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -179,7 +179,13 @@ def _halo_hooks(plan: SpatialPlan, exchange: HaloExchange) -> Iterator[None]:
     for conv, radius in plan.convs:
         sides: list[tuple[int, int]] = []
 
-        def pre(module, args, kwargs, radius=radius, sides=sides):
+        def pre(
+            module: torch.nn.Module,
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            radius: int = radius,
+            sides: list[tuple[int, int]] = sides,
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             x, rest = args[0], args[1:]
             cache = rest[0] if rest else kwargs.get("cache_x")
             if isinstance(cache, torch.Tensor):
@@ -192,7 +198,13 @@ def _halo_hooks(plan: SpatialPlan, exchange: HaloExchange) -> Iterator[None]:
             sides.append((top, bottom))
             return (x, *rest), kwargs
 
-        def post(module, args, kwargs, out, sides=sides):
+        def post(
+            module: torch.nn.Module,
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            out: torch.Tensor,
+            sides: list[tuple[int, int]] = sides,
+        ) -> torch.Tensor:
             top, bottom = sides.pop()
             return out[..., top : out.shape[-2] - bottom, :]
 
@@ -206,7 +218,7 @@ def _halo_hooks(plan: SpatialPlan, exchange: HaloExchange) -> Iterator[None]:
 
 
 def decode_rows(
-    vae,
+    vae: Any,
     z: torch.Tensor,
     plan: SpatialPlan,
     exchange: HaloExchange,
@@ -220,7 +232,7 @@ def decode_rows(
     """
     start, stop = slabs[exchange.rank]
 
-    def cut(_module, _args, out):
+    def cut(_module: torch.nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
         return out[..., start:stop, :]
 
     handle = vae.decoder.mid_block.register_forward_hook(cut)
@@ -231,7 +243,9 @@ def decode_rows(
         handle.remove()
 
 
-def _gather_rows(local: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+def _gather_rows(
+    local: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """all_gather of [..., H_r, W] with per-rank H_r, by padding to max(H_r)."""
     longest = max(counts)
     if local.shape[-2] < longest:
@@ -244,10 +258,10 @@ def _gather_rows(local: torch.Tensor, counts: list[int], group) -> torch.Tensor:
 
 
 def spatial_decode(
-    vae,
+    vae: Any,
     z: torch.Tensor,
     decode_fn: Callable[[torch.Tensor], torch.Tensor],
-    group=None,
+    group: dist.ProcessGroup | None = None,
     plan: SpatialPlan | None = None,
 ) -> torch.Tensor:
     """Decode latents ``z`` [B, C, T, h, w] with one row slab per rank; all ranks get all frames.

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from liteboost.models.wan import (
 from liteboost.ops import tiling
 from liteboost.ops.blocks import block_shape
 from liteboost.parallel.sequence import SequenceParallel
+
+if TYPE_CHECKING:
+    from liteboost.parallel.manager import ParallelConfig
 
 _CFG_HOOK = "liteboost.cfg"
 _SHARD_HOOK = "liteboost.sp_shard"
@@ -103,11 +106,11 @@ def _sparse_ring_order(
 class _ShardTokensHook(ModelHook):
     """patch_embedding output [B, C, F, H, W] -> this rank's tokens [B, C, shard_len]."""
 
-    def __init__(self, context, sp: SequenceParallel) -> None:
+    def __init__(self, context: ForwardContext, sp: SequenceParallel) -> None:
         super().__init__()
         self.context, self.sp = context, sp
 
-    def post_forward(self, module, output):
+    def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
         # Wan continues with .flatten(2).transpose(1, 2): a no-op flatten on the 3-D shard.
         tokens = output.flatten(2)
         if self.context.token_order is not None:
@@ -118,11 +121,13 @@ class _ShardTokensHook(ModelHook):
 class _GatherTokensHook(ModelHook):
     """norm_out input [B, shard_len, C] -> every rank's tokens [B, seq_len, C]."""
 
-    def __init__(self, context, sp: SequenceParallel) -> None:
+    def __init__(self, context: ForwardContext, sp: SequenceParallel) -> None:
         super().__init__()
         self.context, self.sp = context, sp
 
-    def pre_forward(self, module, hidden_states, *args, **kwargs):
+    def pre_forward(
+        self, module: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tokens = self.sp.gather(hidden_states, self.context.seq_len)
         if self.context.token_order is not None:
             tokens = tiling.restore(tokens, self.context.token_order, seq_dim=1)
@@ -130,7 +135,7 @@ class _GatherTokensHook(ModelHook):
 
 
 class _NoState(BaseState):
-    def reset(self, *args, **kwargs) -> None:
+    def reset(self, *args: Any, **kwargs: Any) -> None:
         pass
 
 
@@ -142,7 +147,7 @@ class CfgParallelHook(ModelHook):
 
     _is_stateful = True
 
-    def __init__(self, group, pipeline, out_channels: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, pipeline: Any, out_channels: int) -> None:
         super().__init__()
         self.group = group
         self.pipeline = pipeline
@@ -162,7 +167,7 @@ class CfgParallelHook(ModelHook):
             return None
         return name
 
-    def new_forward(self, module, *args, **kwargs):
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward = None if self.fn_ref is None else self.fn_ref.original_forward
         if forward is None:  # both set by HookRegistry.register_hook
             raise RuntimeError("CfgParallelHook called before it was registered")
@@ -203,7 +208,7 @@ class CfgParallelHook(ModelHook):
         self.pending.clear()
         self.exchanges += 1
 
-    def reset_state(self, module):
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         self.pending.clear()
         return module
 
@@ -242,7 +247,7 @@ class WanParallelHandle:
         _detach(model, "parallel")
 
 
-def parallelize_transformer(model, config) -> WanParallelHandle | None:
+def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHandle | None:
     """Sequence parallelism (Ulysses x Ring) and CFG parallel on a Wan transformer.
 
     Returns None when every degree is 1 (nothing to do).
