@@ -18,6 +18,13 @@ the run's noise floor) and Inductor + mfusion. Timing as in ``model_speedup.py``
 thread, each sample a batch of calls of about ``--sample-ms``, interleaved rounds alternating
 order, collector paused, median of per-round ratios with its interquartile range.
 
+``--device cuda`` runs the same table on a GPU under Inductor/Triton: models and inputs on the
+device, every clock read after a device synchronisation, torch's CPU thread count left alone
+(``--threads`` is a CPU setting). The bf16 modes are the ones that matter there. mfusion's
+CPU-specific passes refuse on the device with a reason; the ``refused`` column names them, the
+``rewrites`` column the passes that applied. ``--max-wall-s`` stops starting rows once the next
+one would overrun (rows not run are listed as skipped), so a fixed device slot is never exceeded.
+
 Accuracy gate: fp32 outputs (or loss and gradients) within ``--tol`` x max(|reference|, 1) of
 eager fp32; bf16 results no further from eager fp32 than twice eager bf16's own error (or the
 fp32 bound, whichever is larger), since bf16 rounding is not a compiler's fault.
@@ -53,8 +60,25 @@ MODES = ("infer-fp32", "infer-bf16", "train-fp32", "train-bf16")
 OWN_LOSS = {"llama", "qwen3", "mistral", "llama_eager"}
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.dtype.is_floating_point else t
+def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return t.to(device, dtype) if t.dtype.is_floating_point else t.to(device)
+
+
+def _device(name: str) -> torch.device:
+    """The benchmark device; refuses one this process cannot use, naming why."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch sees no CUDA device (torch {torch.__version__})")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name}: use cpu or cuda")
+    return device
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    """What every clock read waits for: the device's queue (CUDA kernels run asynchronously)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def _flat(result: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -75,16 +99,17 @@ class Runner:
     def __init__(self, name: str, mode: str, args: argparse.Namespace) -> None:
         self.train = mode.startswith("train")
         self.dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float32
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # built on the CPU: the same weights and inputs on every device
         module, inputs = MODELS[name].build(self.train)
         if self.train:
             module = TrainStep(module, own_loss=name in OWN_LOSS).train()
         else:
             module = module.eval()
-        self.reference_module = module
-        self.reference_inputs = inputs
-        self.module = copy.deepcopy(module).to(self.dtype)
-        self.inputs = tuple(_cast(t, self.dtype) for t in inputs)
+        device = args.device
+        self.reference_module = module.to(device)
+        self.reference_inputs = tuple(_cast(t, torch.float32, device) for t in inputs)
+        self.module = copy.deepcopy(self.reference_module).to(self.dtype)
+        self.inputs = tuple(_cast(t, self.dtype, device) for t in inputs)
         self.freezing = not self.train and args.freezing
 
     def run(self, fn: Callable[..., torch.Tensor], module: torch.nn.Module | None = None):
@@ -132,11 +157,22 @@ def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, objec
     compile_fused = time.perf_counter() - start
     report = mfusion.report()
 
-    calls = calls_per_sample(lambda: runner.run(plain), args.sample_ms)
+    sync = _sync(args.device)
+    calls = calls_per_sample(lambda: runner.run(plain), args.sample_ms, sync=sync)
     eager = measure(
-        lambda: runner.run(runner.module), calls=calls, warmup=1, repeats=args.eager_repeats
+        lambda: runner.run(runner.module),
+        calls=calls,
+        warmup=1,
+        repeats=args.eager_repeats,
+        sync=sync,
     )
-    timed = {"calls": calls, "pause_gc": True, "warmup": args.warmup, "repeats": args.repeats}
+    timed = {
+        "calls": calls,
+        "pause_gc": True,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "sync": sync,
+    }
     a_a = compare(lambda: runner.run(plain), lambda: runner.run(control), **timed)
     comparison = compare(lambda: runner.run(plain), lambda: runner.run(fused), **timed)
     ratios = Timing(comparison.ratios)
@@ -155,6 +191,8 @@ def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, objec
         "compile s (inductor)": compile_plain,
         "compile s (mfusion)": compile_fused,
         "rewrites": _rewrites(report),
+        "refused": _refusals(report),
+        "refusal reasons": _refusal_reasons(report),
         "max err (inductor, mfusion) / bound": (
             f"{errors[0] / bound:.2g}, {errors[1] / bound:.2g}"
         ),
@@ -170,6 +208,39 @@ def _rewrites(report: mfusion.Report) -> str:
             if decision.rewritten:
                 counts[decision.pass_name] = counts.get(decision.pass_name, 0) + 1
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+
+def _refusals(report: mfusion.Report) -> str:
+    """``attention 4``: matches per pass that were recognised but left alone (on a GPU, the
+    CPU-measured rewrites refuse here with a reason; see ``refusal reasons``)."""
+    counts: dict[str, int] = {}
+    for graph in report.graphs:
+        for decision in graph.decisions:
+            if not decision.rewritten:
+                counts[decision.pass_name] = counts.get(decision.pass_name, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+
+def _refusal_reasons(report: mfusion.Report) -> dict[str, list[str]]:
+    """Per pass, the distinct reasons its matches were refused (for the JSON rows)."""
+    reasons: dict[str, list[str]] = {}
+    for graph in report.graphs:
+        for decision in graph.decisions:
+            if decision.rewritten:
+                continue
+            seen = reasons.setdefault(decision.pass_name, [])
+            if decision.reason not in seen:
+                seen.append(decision.reason)
+    return reasons
+
+
+def _describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        import triton
+
+        name = torch.cuda.get_device_name(device)
+        return f"{name} (CUDA {torch.version.cuda}, Triton {triton.__version__})"
+    return "cpu"
 
 
 def _geomean(values: list[float]) -> float:
@@ -189,7 +260,22 @@ def main() -> None:
     parser.add_argument("--eager-repeats", type=int, default=5, help="eager samples per row")
     parser.add_argument("--sample-ms", type=float, default=25.0, help="duration of one sample")
     parser.add_argument("--tol", type=float, default=1e-3, help="fp32 accuracy gate (x scale)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (default) or cuda: where models and kernels run"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 with --device cpu; left alone on a GPU)",
+    )
+    parser.add_argument(
+        "--max-wall-s",
+        type=float,
+        default=None,
+        help="start no row once elapsed time plus the slowest row so far would pass this "
+        "(the rest are listed as skipped); default: no limit",
+    )
     parser.add_argument(
         "--no-freezing", dest="freezing", action="store_false", help="inference without freezing"
     )
@@ -203,8 +289,13 @@ def main() -> None:
         "or --set passes=gelu,rmsnorm",
     )
     args = parser.parse_args()
-    if args.threads < 1:
+    if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.max_wall_s is not None and not args.max_wall_s > 0:
+        parser.error(f"--max-wall-s must be a positive number of seconds, got {args.max_wall_s}")
+    args.device = _device(args.device)
+    if args.threads is None and args.device.type == "cpu":
+        args.threads = 1
     args.mfusion = {}
     for item in args.options:
         key, sep, value = item.partition("=")
@@ -217,7 +308,8 @@ def main() -> None:
         else:
             args.mfusion[key] = value
     mfusion.MFusionConfig(**args.mfusion)  # refuse a bad --set before compiling anything
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64
 
     columns = [
@@ -233,20 +325,35 @@ def main() -> None:
         "compile s (inductor)",
         "compile s (mfusion)",
         "rewrites",
+        "refused",
         "max err (inductor, mfusion) / bound",
         "accuracy",
     ]
     rows = []
+    skipped: list[str] = []
+    reasons: dict[str, list[str]] = {}
     start = time.perf_counter()
+    slowest = 0.0
     jobs = [(m, mode) for m in args.models for mode in args.modes]
     for index, (name, mode) in enumerate(jobs, 1):
+        elapsed = time.perf_counter() - start
+        if args.max_wall_s is not None and elapsed + slowest > args.max_wall_s:
+            skipped.append(f"{name} {mode}")
+            print(f"[{index}/{len(jobs)}] {name} {mode}: skipped (--max-wall-s)", flush=True)
+            continue
         print(f"[{index}/{len(jobs)}] {name} {mode} ...", flush=True)
+        row_start = time.perf_counter()
         row = run_model(name, mode, args)
+        slowest = max(slowest, time.perf_counter() - row_start)
+        for pass_name, texts in row.pop("refusal reasons").items():  # type: ignore[union-attr]
+            known = reasons.setdefault(pass_name, [])
+            known.extend(t for t in texts if t not in known)
         rows.append(row)
         print(
             f"    mfusion/inductor {row['mfusion / inductor']:.3f}x "
             f"(A/A {row['A/A control']:.3f}x, p25-p75 {row['ratio p25-p75']}), "
-            f"rewrites {row['rewrites']}, accuracy {row['accuracy']}",
+            f"rewrites {row['rewrites']}, refused {row['refused']}, "
+            f"accuracy {row['accuracy']}",
             flush=True,
         )
         # One JSON line per row as it finishes, so a run stopped early keeps its rows.
@@ -260,8 +367,12 @@ def main() -> None:
         if chosen:
             summary[f"geomean mfusion/inductor ({label})"] = _geomean(chosen)
             summary[f"min mfusion/inductor ({label})"] = min(chosen)
+    if not rows:
+        raise SystemExit("no row ran (--max-wall-s too small?)")
     profile = MachineProfile.detect()
     metadata = {
+        "device": _describe_device(args.device),
+        "torch": torch.__version__,
         "backend": args.backend,
         "mfusion options": {k: str(v) for k, v in args.mfusion.items()},
         "freezing (inference)": args.freezing,
@@ -277,10 +388,14 @@ def main() -> None:
         ],
         **summary,
         "all accurate": all(r["accuracy"] == "pass" for r in rows),
+        "refusal reasons (per pass)": reasons,
+        "skipped (--max-wall-s)": skipped,
         "wall s": time.perf_counter() - start,
     }
+    kernels = "Triton" if args.device.type == "cuda" else "C++"
     table = BenchTable(
-        "mfusion on transformers/diffusers models: Inductor vs Inductor + mfusion (CPU)",
+        "mfusion on transformers/diffusers models: Inductor vs Inductor + mfusion "
+        f"({args.device.type}, {kernels} kernels)",
         columns,
         metadata,
     )
@@ -291,6 +406,8 @@ def main() -> None:
     print(f"mfusion machine profile: {profile.describe()} (ISA level {profile.isa_level})")
     for key, value in summary.items():
         print(f"{key}: {value:.3f}x")
+    if skipped:
+        print(f"skipped (--max-wall-s): {', '.join(skipped)}")
     print(f"wall time: {metadata['wall s']:.0f} s")
 
 

@@ -8,12 +8,14 @@ one pytest process with ``--import-mode=importlib``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 # One fresh Inductor cache per test session: runs never read another run's artefacts, and the
@@ -50,6 +52,19 @@ class PassHarness:
         return make_fx(fn, tracing_mode=mode)(*args)
 
     @staticmethod
+    def trace_on(device: str, fn: Any, *args: torch.Tensor, decompose: bool = True) -> Any:
+        """The aten graph of ``fn`` with its tensor arguments moved to ``device`` as fake tensors
+        (``"cuda"`` traces without a GPU: no kernel runs), with Inductor's decompositions, as
+        Inductor's post-grad graph for that device would see them."""
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = [mode.from_tensor(a).to(device) for a in args]
+        table = select_decomp_table() if decompose else None
+        return make_fx(fn, decomposition_table=table, tracing_mode="fake")(*fake)
+
+    @staticmethod
     def apply(gm: torch.fx.GraphModule, *passes: str, **options: Any) -> Any:
         """Run the named passes (no auto-fusion) on ``gm`` in place and return the report."""
         from mfusion import MFusionConfig
@@ -76,6 +91,40 @@ class PassHarness:
 @pytest.fixture(scope="session")
 def harness() -> PassHarness:
     return PassHarness()
+
+
+class TransformerBlock(nn.Module):
+    """Hand-written RMSNorm -> SwiGLU MLP -> residual -> LayerNorm -> tanh-GELU, the spellings
+    mfusion's ``rmsnorm``, ``swiglu``, ``layernorm`` and ``gelu`` passes recognise (as in the
+    Llama, BERT and GPT-2 style models of its benchmark)."""
+
+    EXPECTED = ("rmsnorm", "swiglu", "layernorm", "gelu")
+    """The passes that rewrite this block on any device."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(1 + 0.1 * torch.randn(dim))
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.ln_weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+        self.ln_bias = nn.Parameter(0.1 * torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        a, b = self.gate(h), self.up(h)
+        x = x + self.down(a * torch.sigmoid(a) * b)
+        m = x.mean(-1, keepdim=True)
+        v = ((x - m) ** 2).mean(-1, keepdim=True)
+        y = (x - m) / torch.sqrt(v + 1e-5) * self.ln_weight + self.ln_bias
+        c = math.sqrt(2 / math.pi)
+        return 0.5 * y * (1 + torch.tanh(c * (y + 0.044715 * torch.pow(y, 3))))
+
+
+@pytest.fixture(scope="session")
+def transformer_block() -> type[TransformerBlock]:
+    """The block class (tests build it at their own size, device and dtype)."""
+    return TransformerBlock
 
 
 @pytest.fixture(autouse=True)

@@ -123,6 +123,11 @@ class MLIRCPUBackend(KernelBackend):
 
         if not region.inputs:
             return "region has no tensor input"
+        devices = _devices(region) - {"cpu"}
+        if devices:
+            # The JIT compiles host code and the op has a CPU kernel only: a region of a GPU
+            # graph stays with Inductor (Triton) instead of failing when the graph runs.
+            return f"region on {', '.join(sorted(devices))}: mlir-cpu runs CPU tensors only"
         outputs = [o.meta["val"] for o in region.outputs]
         if any(v.dtype not in _NAMES for v in outputs):
             return "an output dtype has no JIT mapping"
@@ -174,6 +179,12 @@ class MLIRCPUBackend(KernelBackend):
             return "", ""
         flags = "".join("1" if f else "0" for f in split_inputs(region.module, rows))
         return block_ir, f"{flags}:{threads}"
+
+
+def _devices(region: OutlinedRegion) -> set[str]:
+    """Device types of the tensors the region reads and produces."""
+    values = (node.meta.get("val") for node in (*region.inputs, *region.outputs))
+    return {value.device.type for value in values if isinstance(value, torch.Tensor)}
 
 
 def _first_line(error: Exception) -> str:
