@@ -29,7 +29,7 @@ from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.metrics import MetricsLog
 from hyperparallel.train.model import ParallelModel, build_model
 from hyperparallel.train.profiling import StepProfiler
-from npu_core.device import comm_backend, detect_backend, device_for_rank
+from npu_core.device import comm_backend, detect_backend, device_for_rank, device_module
 
 StepCallback = Callable[[dict[str, float]], None]
 
@@ -58,10 +58,14 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _mean_over_ranks(value: torch.Tensor | float | None) -> float:
+def _mean_over_ranks(value: torch.Tensor | float | None, device: torch.device) -> float:
     """Mean of the values the reporting ranks hold (every rank, or under PP the ranks holding
-    the last stage; the others pass None)."""
-    t = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    the last stage; the others pass None).
+
+    The sum travels on ``device``, the rank's training device: an NCCL (or HCCL) process group
+    has no CPU collectives.
+    """
+    t = torch.zeros(2, dtype=torch.float64, device=device)
     if value is not None:
         t[0], t[1] = float(value), 1.0
     dist.all_reduce(t)
@@ -81,6 +85,11 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
         )
     device = device_for_rank(env.local_rank(), backend)
+    module = device_module(backend)
+    if module is not None:
+        # NCCL / HCCL bind a rank's communicators (barrier, object collectives of DCP and of
+        # --resume) to the current device; without this every local rank would use device 0.
+        module.set_device(device)
     hf = hf_model.resolve(cfg) if cfg.hf.source is not None else None
     with warnings.catch_warnings():  # skipped binary files: the CLI reported them once
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -133,7 +142,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             optimizer.zero_grad(set_to_none=True)
             step_done = time.perf_counter()  # before a profiled step writes its trace
             optim_ms = (step_done - opt_began) * 1e3
-        mean_loss = _mean_over_ranks(loss)
+        mean_loss = _mean_over_ranks(loss, device)
         train_losses.append(mean_loss)
         record = {
             "step": step + 1,
@@ -210,4 +219,4 @@ def _validate(
         loss = net.evaluate(inputs.to(device), targets.to(device))
         if loss is not None:
             losses.append(loss)
-    return _mean_over_ranks(torch.stack(losses).mean() if losses else None)
+    return _mean_over_ranks(torch.stack(losses).mean() if losses else None, device)
