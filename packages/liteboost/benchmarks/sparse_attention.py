@@ -8,7 +8,15 @@ sparsity 0.8, of the FlexAttention kernel alone (its BlockMask prebuilt; its com
 call once per shape, in its own column). The fused kernel's build (or cache load) time is in the
 table's metadata.
 
+``--device cuda`` runs every tensor on the GPU and reads a wall clock after synchronising it. The
+whole call there runs the CUDA chain's kernel (FlexAttention, compiled once per shape before the
+timed rounds); the fused C++ kernel is CPU-only and is not run (its column stays empty). The
+extra case ``32760x12x128`` is Wan2.1-1.3B's whole self-attention at 480p x 81 frames (12 heads),
+the GPU-sized version of the one-head CPU case; ``--dtype bf16`` is how Wan is served.
+
     python packages/liteboost/benchmarks/sparse_attention.py --out DIR [--rounds N] [--cases ...]
+    python packages/liteboost/benchmarks/sparse_attention.py --out DIR --device cuda \
+        --dtype bf16 --cases 32760x12x128
 """
 
 from __future__ import annotations
@@ -39,24 +47,43 @@ CASES = [
 SPARSITIES = [0.5, 0.8, 0.9]
 FLEX_SPARSITY = 0.8
 BLOCK = 128
+# Only when named in --cases (too long for the CPU default run).
+EXTRA_CASES = [((21, 30, 52), 12, 128)]
+CPU = torch.device("cpu")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _label(grid, heads, dim) -> str:
     return f"{grid[0] * grid[1] * grid[2]}x{heads}x{dim}"
 
 
-def _time(fn) -> float:
+def _time(fn, device: torch.device = CPU) -> float:
+    """Wall seconds of one call; on an accelerator its queued kernels are waited for."""
+    _sync(device)
     start = time.perf_counter()
     fn()
+    _sync(device)
     return time.perf_counter() - start
 
 
-def attention_case(grid, heads: int, dim: int):
-    """The shared setup of this script and ``sparsity_zero.py``: seeded fp32 q, k, v
-    [1, heads, prod(grid), dim] and the dense SDPA call every variant is compared with."""
+def attention_case(
+    grid,
+    heads: int,
+    dim: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
+    """The shared setup of this script and ``sparsity_zero.py``: seeded q, k, v
+    [1, heads, prod(grid), dim] (fp32 by default; drawn on CPU, then moved) and the dense SDPA
+    call every variant is compared with."""
     seq = grid[0] * grid[1] * grid[2]
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq, dim, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, heads, seq, dim, generator=gen).to(device, dtype) for _ in range(3))
 
     def dense():
         return F.scaled_dot_product_attention(q, k, v)
@@ -64,19 +91,30 @@ def attention_case(grid, heads: int, dim: int):
     return q, k, v, dense
 
 
-def interleaved_rounds(jobs: dict, rounds: int) -> dict[str, list[float]]:
+def interleaved_rounds(
+    jobs: dict, rounds: int, device: torch.device = CPU
+) -> dict[str, list[float]]:
     """Seconds per call of every job, ``rounds`` rounds, the order rotating each round."""
     samples: dict[str, list[float]] = {name: [] for name in jobs}
     names = list(jobs)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            samples[name].append(_time(jobs[name]))
+            samples[name].append(_time(jobs[name], device))
     return samples
 
 
-def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
+def run_case(
+    grid,
+    heads,
+    dim,
+    rounds: int,
+    table: BenchTable,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     seq = grid[0] * grid[1] * grid[2]
-    q, k, v, dense = attention_case(grid, heads, dim)
+    q, k, v, dense = attention_case(grid, heads, dim, device, dtype)
+    on_cpu = device.type == "cpu"
 
     def full(s):
         return lambda: sparse_attention(q, k, v, latent_shape=grid, sparsity=s, block_size=BLOCK)
@@ -99,7 +137,7 @@ def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
     def fused(s):
         return lambda: fused_cpu_block_sparse_attention(*tiled[s], plans[s].block_index, BLOCK)
 
-    compile_s = _time(flex)  # first call of this shape compiles
+    compile_s = _time(flex, device)  # first call of this shape compiles
     equal_at_zero = torch.equal(
         sparse_attention(q, k, v, latent_shape=grid, sparsity=0.0, block_size=BLOCK), dense()
     )
@@ -110,12 +148,14 @@ def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
     jobs = {"dense": dense, "flex": flex}
     for s in SPARSITIES:
         jobs[f"full{s}"] = full(s)
-        jobs[f"fused{s}"] = fused(s)
+        if on_cpu:  # the fused C++ kernel is CPU-only
+            jobs[f"fused{s}"] = fused(s)
         jobs[f"gather{s}"] = gather(s)
         jobs[f"plan{s}"] = planning(s)
     for fn in jobs.values():  # warm-up
         fn()
-    samples = interleaved_rounds(jobs, rounds)
+    _sync(device)
+    samples = interleaved_rounds(jobs, rounds, device)
     dense_t = Timing(samples["dense"])
     table.add(
         S=seq,
@@ -133,9 +173,8 @@ def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
         note=f"sdpa fallback, identical output: {equal_at_zero}",
     )
     for s in SPARSITIES:
-        full_t, fused_t, gather_t, plan_t = (
-            Timing(samples[f"{p}{s}"]) for p in ("full", "fused", "gather", "plan")
-        )
+        full_t, gather_t, plan_t = (Timing(samples[f"{p}{s}"]) for p in ("full", "gather", "plan"))
+        fused_t = Timing(samples[f"fused{s}"]) if on_cpu else None
         flex_t = Timing(samples["flex"]) if s == FLEX_SPARSITY else None
         table.add(
             S=seq,
@@ -145,7 +184,7 @@ def run_case(grid, heads, dim, rounds: int, table: BenchTable) -> None:
             dense_ms=dense_t.median * 1e3,
             sparse_ms=full_t.median * 1e3,
             speedup=dense_t.median / full_t.median,
-            fused_speedup=dense_t.median / fused_t.median,
+            fused_speedup=dense_t.median / fused_t.median if fused_t else None,
             gather_speedup=dense_t.median / gather_t.median,
             flex_speedup=dense_t.median / flex_t.median if flex_t else None,
             plan_ms=plan_t.median * 1e3,
@@ -160,20 +199,27 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for sparse_attention.{json,md}")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per case")
     labels = [_label(grid, heads, dim) for grid, heads, dim in CASES]
+    extra = [_label(grid, heads, dim) for grid, heads, dim in EXTRA_CASES]
     parser.add_argument(
         "--cases",
         default="",
         help=f"comma-separated subset of {','.join(labels)} (tokens x heads x head dim; "
-        "default: all), for a shorter run",
+        f"default: all of these), for a shorter run, or {','.join(extra)} (only when named)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
     chosen = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(chosen) - set(labels))
+    unknown = sorted(set(chosen) - set(labels) - set(extra))
     if unknown:
-        parser.error(f"--cases: unknown {unknown}; choose from {labels}")
-    build_s = _time(load_cpu_kernel)  # compiles on a machine's first run, else loads the cache
+        parser.error(f"--cases: unknown {unknown}; choose from {labels + extra}")
+    # The fused kernel compiles on a machine's first run, else loads the cache; CPU only.
+    build_s = _time(load_cpu_kernel) if device.type == "cpu" else None
     table = BenchTable(
-        "Block-sparse attention vs dense SDPA (CPU, fp32, batch 1, block 128)",
+        f"Block-sparse attention vs dense SDPA ({device.type}, {args.dtype}, batch 1, block 128)",
         [
             "S",
             "heads",
@@ -198,13 +244,18 @@ def main() -> None:
             "fused_speedup": "dense / fused C++ kernel alone (the CPU default)",
             "gather_speedup": "dense / block-gather kernel alone (fallback, autograd path)",
             "flex_speedup": f"dense / FlexAttention kernel alone at sparsity {FLEX_SPARSITY}",
-            "fused_kernel_build_or_load_s": round(build_s, 1),
+            "fused_kernel_build_or_load_s": None if build_s is None else round(build_s, 1),
+            "device": device.type,
+            "dtype": args.dtype,
+            "clock": "wall" + (", device synchronised" if device.type != "cpu" else ""),
         },
     )
-    for grid, heads, dim in CASES:
-        if chosen and _label(grid, heads, dim) not in chosen:
+    for grid, heads, dim in CASES + EXTRA_CASES:
+        label = _label(grid, heads, dim)
+        if (chosen and label not in chosen) or (not chosen and label in extra):
             continue
-        run_case(grid, heads, dim, args.rounds if grid[0] < 16 else max(3, args.rounds - 2), table)
+        rounds = args.rounds if grid[0] < 16 or device.type != "cpu" else max(3, args.rounds - 2)
+        run_case(grid, heads, dim, rounds, table, device, DTYPES[args.dtype])
     table.write(args.out, "sparse_attention")
 
 

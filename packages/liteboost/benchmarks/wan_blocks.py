@@ -12,11 +12,17 @@ rotates each round):
 - ``sparse+rope``: both (the combination a user turns on).
 
 Each block's forward is timed by forward hooks; ``rest`` is the forward minus its blocks (patch
-embedding, text and time embedding, RoPE tables, output head). ``--clock cpu`` (default) times
-the process's CPU seconds (``time.process_time``, all intra-op threads) instead of wall time: on
-a machine shared with other jobs the wall time of one forward moved by 35% between identical
-calls, the CPU time of the compute much less. Run it with ``OMP_WAIT_POLICY=PASSIVE`` so that
-waiting OpenMP threads sleep instead of spinning (spinning counts as CPU time).
+embedding, text and time embedding, RoPE tables, output head). ``--clock cpu`` (the CPU default)
+times the process's CPU seconds (``time.process_time``, all intra-op threads) instead of wall
+time: on a machine shared with other jobs the wall time of one forward moved by 35% between
+identical calls, the CPU time of the compute much less. Run it with ``OMP_WAIT_POLICY=PASSIVE``
+so that waiting OpenMP threads sleep instead of spinning (spinning counts as CPU time).
+
+``--device cuda`` runs model and inputs on the GPU (``--dtype bf16`` for the dtype Wan is served
+in) and times wall clock only: every clock read synchronises the device first, so a block's time
+is its kernels' time, not how fast they were queued (CPU time would measure the queueing). The
+sparse variants then run the CUDA chain's kernel (FlexAttention); the warm-up runs at the
+measured shape, so its one-off compile is not timed.
 
 The whole-transformer projection is ``rest + 30 x block`` per variant. Step caching is stated as
 a per-step fraction: a step the first-block cache skips runs ``rest + 1 block`` (the first block
@@ -24,6 +30,8 @@ decides, the others are replaced by the cached residual), so its cost relative t
 follows from the same two numbers.
 
     python packages/liteboost/benchmarks/wan_blocks.py --out DIR [--frames 21] [--rounds 2]
+    python packages/liteboost/benchmarks/wan_blocks.py --out DIR --device cuda --dtype bf16 \
+        --layers 2 --rounds 5
 """
 
 from __future__ import annotations
@@ -52,17 +60,38 @@ WAN_1_3B = dict(
     eps=1e-6,
 )
 WAN_BLOCKS = 30
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TEXT_TOKENS = 512
 LATENT_HW = (60, 104)  # 480 x 832 pixels / 8
 VARIANTS = ("stock", "rope", "sparse", "sparse+rope")
 
 
-def build_model(layers: int):
+def build_model(
+    layers: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """The Wan2.1-1.3B transformer with ``layers`` blocks, random weights, eval mode."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    return WanTransformer3DModel(**WAN_1_3B, num_layers=layers).eval()
+    model = WanTransformer3DModel(**WAN_1_3B, num_layers=layers).eval().to(device)
+    if dtype != torch.float32:
+        # As ``from_pretrained(torch_dtype=...)`` loads it: the modules diffusers keeps in fp32
+        # (RoPE buffers, time embedder, modulation tables, norms) stay in their dtype.
+        keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+        for name, module in model.named_modules():
+            for attr, tensors in (
+                ("_parameters", module._parameters),
+                ("_buffers", module._buffers),
+            ):
+                for key, t in list(tensors.items()):
+                    full = f"{name}.{key}" if name else key
+                    if t is None or not t.is_floating_point() or any(m in full for m in keep):
+                        continue
+                    if attr == "_parameters":
+                        t.data = t.data.to(dtype)
+                    else:
+                        tensors[key] = t.to(dtype)
+    return model
 
 
 def boost_for(model, variant: str, sparsity: float):
@@ -96,24 +125,46 @@ class BlockClock:
             handle.remove()
 
 
-def inputs(frames: int) -> dict[str, torch.Tensor]:
+def inputs(
+    frames: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Seeded latent and text states (drawn on CPU, so every device gets the same values)."""
     gen = torch.Generator().manual_seed(0)
     return dict(
-        hidden_states=torch.randn(1, 16, frames, *LATENT_HW, generator=gen),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, TEXT_TOKENS, 4096, generator=gen),
+        hidden_states=torch.randn(1, 16, frames, *LATENT_HW, generator=gen).to(device, dtype),
+        timestep=torch.tensor([500], device=device),
+        encoder_hidden_states=torch.randn(1, TEXT_TOKENS, 4096, generator=gen).to(device, dtype),
     )
+
+
+def _synced_wall_clock(device: torch.device) -> Callable[[], float]:
+    """Wall clock that first waits for the device's queued kernels."""
+    module = getattr(torch, device.type)
+
+    def clock() -> float:
+        module.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
+def clock_for(name: str, device: torch.device) -> Callable[[], float]:
+    """The clock ``name`` on ``device``: accelerators only have a synchronised wall clock."""
+    if device.type == "cpu":
+        return CLOCKS[name]
+    if name != "wall":
+        raise ValueError(f"--clock {name!r} on {device.type}: only 'wall' (synchronised) there")
+    return _synced_wall_clock(device)
+
+
 @torch.no_grad()
 def forward_once(
-    model, args: dict, variant: str, sparsity: float, clock_name: str
+    model, args: dict, variant: str, sparsity: float, clock_fn: Callable[[], float]
 ) -> tuple[float, list[float]]:
-    """One forward under ``variant``: (total seconds, per-block seconds) on ``clock_name``."""
-    clock_fn = CLOCKS[clock_name]
+    """One forward under ``variant``: (total seconds, per-block seconds) on ``clock_fn``."""
     clock = BlockClock(model, clock_fn)
     boost = boost_for(model, variant, sparsity)
     try:
@@ -134,10 +185,12 @@ def measure(
     sparsity: float,
     variants: tuple[str, ...],
     log: Callable,
-    clock: str = "cpu",
+    clock: Callable[[], float] = time.process_time,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, dict[str, list[float]]]:
     """Interleaved rounds: per variant the list of totals, of per-block times and of ``rest``."""
-    args = inputs(frames)
+    args = inputs(frames, device, dtype)
     samples = {v: {"total": [], "block": [], "rest": []} for v in variants}
     for r in range(rounds):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
@@ -158,17 +211,40 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     parser.add_argument("--sparsity", type=float, default=0.8)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default=None,
+        help="cpu (process CPU seconds; the CPU default) or wall; on cuda always a wall clock "
+        "read after synchronising",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
+    clock_name = args.clock or ("cpu" if device.type == "cpu" else "wall")
+    try:
+        clock = clock_for(clock_name, device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    dtype = DTYPES[args.dtype]
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "stock" not in variants:
         parser.error(f"--variants: {args.variants!r}; use 'stock' plus any of {VARIANTS}")
     tokens = args.frames * (LATENT_HW[0] // 2) * (LATENT_HW[1] // 2)
-    model = build_model(args.layers)
-    load_cpu_kernel()  # builds the fused kernel on a machine's first run, else loads it
-    # Warm-up on a 1-frame latent: first-call allocations and dispatch.
-    measure(model, 1, 1, args.sparsity, variants, lambda _: None)
+    model = build_model(args.layers, device, dtype)
+    if device.type == "cpu":
+        load_cpu_kernel()  # builds the fused kernel on a machine's first run, else loads it
+        # Warm-up on a 1-frame latent: first-call allocations and dispatch.
+        warmup_frames = 1
+    else:
+        # The GPU's sparse kernel (FlexAttention) compiles once per shape: warm up at the
+        # measured shape so no round pays for it.
+        warmup_frames = args.frames
+    measure(model, warmup_frames, 1, args.sparsity, variants, lambda _: None, clock, device, dtype)
     samples = measure(
         model,
         args.frames,
@@ -176,11 +252,13 @@ def main() -> None:
         args.sparsity,
         variants,
         lambda m: print(m, flush=True),
-        args.clock,
+        clock,
+        device,
+        dtype,
     )
     table = BenchTable(
-        f"Wan2.1-1.3B blocks, {tokens} tokens ({args.frames} x 30 x 52), fp32, "
-        f"{args.layers} block(s) measured, 30 projected",
+        f"Wan2.1-1.3B blocks, {tokens} tokens ({args.frames} x 30 x 52), {args.dtype}, "
+        f"{device.type}, {args.layers} block(s) measured, 30 projected",
         [
             "variant",
             "block_s",
@@ -196,7 +274,9 @@ def main() -> None:
             "tokens": tokens,
             "sparsity": args.sparsity,
             "threads": torch.get_num_threads(),
-            "clock": args.clock,
+            "clock": clock_name if device.type == "cpu" else "wall, device synchronised",
+            "device": device.type,
+            "dtype": args.dtype,
             "block_s": "median over rounds and blocks of one block forward",
             "rest_s": "median of (forward - its blocks): embeddings, RoPE tables, output head",
             "step_30_s": "rest_s + 30 x block_s (one transformer call of the 30-block model)",

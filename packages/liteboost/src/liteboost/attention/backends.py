@@ -87,9 +87,17 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(index)
 
 
-@functools.cache
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
 def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    # A plain dict, filled by the first (eager) call: inside a torch.compile trace the lookup is
+    # a guarded constant, where a cached driver query would be traced into.
+    capability = _CAPABILITY.get(index)
+    if capability is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        capability = _CAPABILITY[index] = (major, minor)
+    return capability
 
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -133,11 +133,16 @@ def select_pooled_blocks(
     scores = pooled_q @ pooled_k.transpose(-1, -2)
     forced = torch.zeros(nk, dtype=torch.bool, device=scores.device)
     has_text = key_tokens > video_len
+    # Forced blocks: frame 0's head and the blocks holding any text token; counted in Python
+    # (no ``.item()``), so the plan traces into a torch.compile graph without a break.
+    text_start = video_len // kv_block if has_text else nk
+    frame0_end = min(math.ceil(first_frame_tokens / kv_block), nk) if first_frame_tokens else 0
     if has_text:
-        forced[video_len // kv_block :] = True  # blocks holding any text token
-    if first_frame_tokens:
-        forced[: math.ceil(first_frame_tokens / kv_block)] = True
-    keep = min(nk, max(int(forced.sum()), math.ceil((1.0 - sparsity) * nk), 1))
+        forced[text_start:] = True
+    if frame0_end:
+        forced[:frame0_end] = True
+    forced_count = frame0_end + max(0, nk - max(text_start, frame0_end))
+    keep = min(nk, max(forced_count, math.ceil((1.0 - sparsity) * nk), 1))
     scores = scores.masked_fill(forced, torch.inf)
     index = scores.topk(keep, dim=-1, sorted=False).indices.to(torch.int32)
     text_rows = torch.arange(nq, device=scores.device) >= video_len // q_block
