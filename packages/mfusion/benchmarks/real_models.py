@@ -147,17 +147,21 @@ def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, objec
         mfusion.compile_options(backend=args.backend, passes=(), auto_fuse=False)
     )
     fused = runner.compiled(mfusion.compile_options(backend=args.backend, **args.mfusion))
+    sync = _sync(args.device)
+    sync()
     start = time.perf_counter()
     out_plain = _flat(runner.run(plain))
+    sync()
     compile_plain = time.perf_counter() - start
     runner.run(control)
     mfusion.clear_report()
+    sync()
     start = time.perf_counter()
     out_fused = _flat(runner.run(fused))
+    sync()
     compile_fused = time.perf_counter() - start
     report = mfusion.report()
 
-    sync = _sync(args.device)
     calls = calls_per_sample(lambda: runner.run(plain), args.sample_ms, sync=sync)
     eager = measure(
         lambda: runner.run(runner.module),
