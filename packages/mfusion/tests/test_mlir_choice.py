@@ -1,6 +1,8 @@
 """The measured per-region choice: MLIR kernel vs Inductor's kernel for the same region, cached
-per (region IR, pipeline, machine profile). Timers are injected: no outcome depends on the speed
-of the machine running the tests."""
+per (region IR, pipeline, machine profile), and the whole-graph check that keeps the outlined
+graph only if it is faster than the graph without its regions. Timers are injected: no outcome
+depends on the speed of the machine running the tests (the injected timers still run both
+sides once, so both compiled forms must work)."""
 
 from __future__ import annotations
 
@@ -67,17 +69,21 @@ def test_faster_region_is_outlined_cached_and_matches_eager(harness, decisions):
     timer = FixedTimer(1e-6, 2e-6)
     with choice.use_timer(timer):
         gm, outlined, record = _fuse(harness)
-    assert outlined == 1 and timer.calls == 1
+    assert outlined == 1 and timer.calls == 2  # the region, then the whole graph
     assert harness.count(gm, REGION_OP) == 1
     assert "mlir 1.0 us vs inductor 2.0 us" in record.regions[0].reason
-    (entry,) = decisions.glob("*.json")
-    assert json.loads(entry.read_text())["use_mlir"] is True
+    assert record.whole_graph.startswith("regions kept: with regions 0.001 ms vs without 0.002")
+    entries = {p.name.startswith("graph-"): p for p in decisions.glob("*.json")}
+    assert len(list(decisions.glob("*.json"))) == 2 and set(entries) == {True, False}
+    assert json.loads(entries[False].read_text())["use_mlir"] is True  # the region
+    assert json.loads(entries[True].read_text())["use_mlir"] is True  # the whole graph
     torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-5, rtol=1e-5)
 
     # the same region again (a new trace): a cache hit, nothing measured
     with choice.use_timer(_fail_timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 1 and "(ratio 0.50, cache)" in record.regions[0].reason
+    assert record.whole_graph.endswith("(ratio 0.500, cache)")
 
 
 @pytest.mark.slow
@@ -101,10 +107,51 @@ def test_another_machine_profile_measures_again(harness, decisions):
     with choice.use_timer(timer):
         _fuse(harness, avx2)
         _fuse(harness, avx2)
-        assert timer.calls == 1
+        assert timer.calls == 2  # region and whole graph, once
         _fuse(harness, dataclasses.replace(avx2, threads=2))
-    assert timer.calls == 2
-    assert len(list(decisions.glob("*.json"))) == 2
+    assert timer.calls == 4
+    assert len(list(decisions.glob("*.json"))) == 4
+
+
+@pytest.mark.slow
+def test_slower_whole_graph_puts_the_regions_back_and_caches_that(harness, decisions):
+    """A region faster alone, but the graph slower with it outlined: the region goes back into
+    the graph for Inductor (same nodes, same result), the report says why, the "no" is cached."""
+    region_timer, graph_timer = FixedTimer(1e-6, 2e-6), FixedTimer(3e-3, 2e-3)
+    with choice.use_timer(region_timer), choice.use_graph_timer(graph_timer):
+        gm, outlined, record = _fuse(harness)
+    assert (region_timer.calls, graph_timer.calls) == (1, 1)
+    assert outlined == 0 and harness.count(gm, REGION_OP) == 0
+    summary = record.regions[0]
+    assert not summary.outlined
+    assert summary.reason.startswith("put back for Inductor by the whole-graph check;")
+    assert record.whole_graph == (
+        "regions put back for Inductor: with regions 3.000 ms vs without 2.000 ms "
+        "(ratio 1.500, measured)"
+    )
+    plain = harness.trace(softmax_gelu, *ARGS)
+    ops = sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    assert ops == sorted(str(n.target) for n in plain.graph.nodes if n.op == "call_function")
+    torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-6, rtol=1e-6)
+
+    with choice.use_timer(_fail_timer):
+        gm, outlined, record = _fuse(harness)
+    assert outlined == 0 and record.whole_graph.endswith("(ratio 1.500, cache)")
+
+
+def test_whole_graph_check_needs_static_tensor_inputs(harness):
+    static = harness.trace(softmax_gelu, *ARGS)
+    assert choice.static_inputs_refusal(static) is None
+    symbolic = harness.trace(softmax_gelu, *ARGS, mode="symbolic")
+    assert "has a symbolic shape" in str(choice.static_inputs_refusal(symbolic))
+
+
+def test_whole_graph_signature_sees_shapes_and_structure(harness):
+    a = choice.graph_signature(harness.trace(softmax_gelu, *ARGS))
+    assert a == choice.graph_signature(harness.trace(softmax_gelu, *ARGS))
+    wider = (torch.randn(8, 256), torch.randn(256))
+    assert a != choice.graph_signature(harness.trace(softmax_gelu, *wider))
+    assert a != choice.graph_signature(harness.trace(lambda x, b: softmax_gelu(x, b) + 1, *ARGS))
 
 
 def test_unreadable_cache_entry_is_a_miss(tmp_path, harness):
@@ -123,6 +170,11 @@ def test_choice_override_and_refusal(harness, decisions, monkeypatch):
     with choice.use_timer(_fail_timer):
         _, outlined, record = _fuse(harness)
     assert outlined == 0 and "MFUSION_MLIR_CHOICE=never" in record.regions[0].reason
+    assert not decisions.exists()
+    monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")  # outlined without any timing
+    with choice.use_timer(_fail_timer):
+        _, outlined, record = _fuse(harness)
+    assert outlined == 1 and record.whole_graph == ""
     assert not decisions.exists()
     monkeypatch.setenv("MFUSION_MLIR_CHOICE", "sometimes")
     with pytest.raises(ValueError, match=r"MFUSION_MLIR_CHOICE='sometimes' is not known"):

@@ -43,6 +43,8 @@ class GraphReport:
     pass_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     machine: str = ""
     """The machine profile the machine-dependent rewrites decided for (see mfusion.machine)."""
+    whole_graph: str = ""
+    """The whole-graph check of a kernel-generating backend: kept or put back, and why."""
 
     def rewritten(self, pass_name: str | None = None) -> int:
         """Number of rewrites, by one pass or all."""
@@ -79,6 +81,8 @@ class GraphReport:
         for region in self.regions:
             state = "outlined" if region.outlined else "kept for Inductor"
             lines.append(f"  region {region.kind} ({region.ops} ops): {state}; {region.reason}")
+        if self.whole_graph:
+            lines.append(f"  whole graph: {self.whole_graph}")
         return "\n".join(lines)
 
 

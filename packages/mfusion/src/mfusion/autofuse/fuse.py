@@ -1,14 +1,25 @@
-"""Automatic fusion: capability filter, region growth, splitting, classification, outlining."""
+"""Automatic fusion: capability filter, region growth, splitting, classification, outlining,
+and for backends that ask for it the whole-graph check (keep the outlined graph only if faster).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 from torch import fx
 
 from mfusion.autofuse.capability import CapabilityTable, OpCapability
 from mfusion.autofuse.classify import RegionKind, node_kind, region_kind
 from mfusion.autofuse.cluster import grow_regions
-from mfusion.autofuse.outline import extract_region, replace_with_call
+from mfusion.autofuse.outline import (
+    OutlinedRegion,
+    extract_region,
+    inline_call,
+    replace_with_call,
+    snapshot,
+)
 from mfusion.autofuse.split import split_region
+from mfusion.backends.base import KernelBackend
 from mfusion.backends.registry import get_backend
 from mfusion.config import MFusionConfig
 from mfusion.report import GraphReport, RegionSummary
@@ -28,10 +39,12 @@ def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> in
     """Plan regions for the configured backend and outline those the backend compiles.
 
     Returns:
-        Number of regions outlined (replaced by one call each).
+        Number of regions outlined (replaced by one call each) and kept.
     """
     backend = get_backend(config.resolved_backend())
     backend.machine = config.machine  # None: the backend detects this process's when needed
+    plain = _plain_snapshot(graph, backend)
+    calls: list[tuple[fx.Node, OutlinedRegion, int]] = []
     kinds = candidate_kinds(graph, backend.table)
     regions = grow_regions(
         graph,
@@ -55,7 +68,8 @@ def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> in
                 )
                 continue
             target, extra_args = result
-            replace_with_call(graph, extracted, target, extra_args)
+            call = replace_with_call(graph, extracted, target, extra_args)
+            calls.append((call, extracted, len(record.regions)))
             outlined += 1
             record.regions.append(
                 RegionSummary(
@@ -66,4 +80,56 @@ def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> in
                     getattr(backend, "last_note", "compiled by backend"),
                 )
             )
+    if calls and plain is not None and not _keep_outlined(graph, plain, backend, config, record):
+        for call, outlined_region, _ in reversed(calls):
+            inline_call(graph, call, outlined_region)
+        for _, _, index in calls:
+            summary = record.regions[index]
+            record.regions[index] = dataclasses.replace(
+                summary,
+                outlined=False,
+                reason=f"put back for Inductor by the whole-graph check; {summary.reason}",
+            )
+        return 0
     return outlined
+
+
+def _plain_snapshot(graph: fx.Graph, backend: KernelBackend) -> fx.GraphModule | None:
+    """The graph before outlining, when the backend asks for the whole-graph check and the
+    choice is measured (``MFUSION_MLIR_CHOICE=always|never`` decide without timing)."""
+    if not backend.whole_graph_check:
+        return None
+    from mfusion.mlir.choice import choice_mode
+
+    return snapshot(graph) if choice_mode() == "measure" else None
+
+
+def _keep_outlined(
+    graph: fx.Graph,
+    plain: fx.GraphModule,
+    backend: KernelBackend,
+    config: MFusionConfig,
+    record: GraphReport,
+) -> bool:
+    """The whole-graph check: True to keep the outlined regions. Where it cannot measure, the
+    regions are put back (Inductor's graph is the one known not to lose to Inductor)."""
+    from mfusion.mlir.choice import decide_graph, static_inputs_refusal
+
+    refusal = static_inputs_refusal(plain)
+    if refusal is not None:
+        record.whole_graph = f"regions put back: cannot time the graph ({refusal})"
+        return False
+    machine = backend.machine if backend.machine is not None else config.resolved_machine()
+    try:
+        decision = decide_graph(plain, snapshot(graph), machine)
+    except RuntimeError as error:
+        record.whole_graph = f"regions put back: the graph did not compile or run ({error})"[:300]
+        return False
+    assert decision.mlir_s is not None and decision.inductor_s is not None
+    times = (
+        f"with regions {decision.mlir_s * 1e3:.3f} ms vs without {decision.inductor_s * 1e3:.3f}"
+        f" ms (ratio {decision.mlir_s / decision.inductor_s:.3f}, {decision.source})"
+    )
+    verdict = "regions kept" if decision.use_mlir else "regions put back for Inductor"
+    record.whole_graph = f"{verdict}: {times}"
+    return decision.use_mlir

@@ -71,3 +71,45 @@ def replace_with_call(
     for node in reversed(region.nodes):
         graph.erase_node(node)
     return call
+
+
+def snapshot(graph: fx.Graph) -> fx.GraphModule:
+    """A copy of ``graph`` as a graph module over the same root (its constants are shared, not
+    copied), for compiling and timing it apart from the graph being rewritten."""
+    copy = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            copy.output(fx.map_arg(node.args[0], env.__getitem__)).meta = dict(node.meta)
+        else:
+            env[node] = copy.node_copy(node, env.__getitem__)
+    root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
+    return fx.GraphModule(root, copy)
+
+
+def inline_call(graph: fx.Graph, call: fx.Node, region: OutlinedRegion) -> None:
+    """Undo :func:`replace_with_call`: put the region's nodes back in place of ``call`` (before
+    it, where every input is defined), rewire the users of its outputs, erase the call.
+
+    The copies carry the region nodes' metadata (fake values), so later passes and Inductor see
+    the graph as it was. Undo several calls in reverse order of outlining: a later region may
+    read an earlier one's outputs.
+    """
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = region.module.graph.find_nodes(op="placeholder")
+    env.update(zip(placeholders, region.inputs, strict=True))
+    results: tuple[fx.Node, ...] = ()
+    with graph.inserting_before(call):
+        for node in region.module.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                results = tuple(node.args[0])  # a tuple of nodes, as extract_region built it
+                break
+            env[node] = graph.node_copy(node, env.__getitem__)
+    for user in list(call.users):
+        if user.target is not operator.getitem:
+            raise ValueError(f"{call.name} is used by {user.name}, not an output getitem")
+        user.replace_all_uses_with(env[results[int(user.args[1])]])  # type: ignore[arg-type]
+        graph.erase_node(user)
+    graph.erase_node(call)

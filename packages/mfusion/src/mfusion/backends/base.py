@@ -26,6 +26,10 @@ class KernelBackend(abc.ABC):
 
     name: str
     table: CapabilityTable
+    whole_graph_check: bool = False
+    """Time the whole graph with and without this backend's outlined regions and keep the
+    faster (:func:`mfusion.mlir.choice.decide_graph`): for backends whose per-region choice
+    cannot see the fusion an outlined region breaks around it."""
     machine: MachineProfile | None = None
     """The profile measured decisions hold for (set from the config by ``auto_fuse``; None:
     this process's, detected when needed)."""

@@ -110,6 +110,7 @@ def _pipeline(name: str) -> Pipeline:
 class MLIRCPUBackend(KernelBackend):
     name = "mlir-cpu"
     table = MLIR_CPU_TABLE
+    whole_graph_check = True
     last_note = "compiled by backend"
     """What decided the last outlined region (for the report)."""
 

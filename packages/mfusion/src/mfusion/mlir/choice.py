@@ -23,12 +23,21 @@ slower; otherwise it stays in the graph for Inductor.
   ``TORCHINDUCTOR_CACHE_DIR`` after changing it.
 
 Every decision is logged (logger ``mfusion.mlir``) with both times and where it came from.
+
+**Whole-graph check** (:func:`decide_graph`). A region measured faster alone can still cost the
+model time: Inductor had fused it with its neighbours, and the opaque call splits that fusion
+(one more pass over memory). So once regions of a graph are outlined, the graph is compiled by
+Inductor twice, with and without them, both timed on the same random inputs
+(:data:`GRAPH_ROUNDS` interleaved rounds of about :data:`GRAPH_SAMPLE_S`), and the outlined
+form is kept only if it is faster; otherwise every region is put back for Inductor. Cached like
+the region decisions, per (both graphs' structure and shapes, machine profile).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -50,6 +59,13 @@ ROUNDS = 7
 
 SAMPLE_S = 0.002
 """Target length of one timed sample (calls are batched up to it); ~ROUNDS x 2 x 2 ms per region."""
+
+GRAPH_ROUNDS = 9
+"""Interleaved rounds of the whole-graph check (odd)."""
+
+GRAPH_SAMPLE_S = 0.02
+"""Target length of one whole-graph sample: a graph call takes milliseconds, and one call per
+sample is at the mercy of every scheduler tick."""
 
 CHOICES = ("measure", "always", "never")
 
@@ -157,34 +173,63 @@ def _per_call(fn: Call, budget_s: float) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def interleaved_timer(mlir_call: Call, inductor_call: Call) -> tuple[float, float]:
-    """Median per-call seconds of both sides over :data:`ROUNDS` interleaved rounds, the order
+def interleaved_timer(
+    mlir_call: Call, inductor_call: Call, rounds: int = ROUNDS, sample_s: float = SAMPLE_S
+) -> tuple[float, float]:
+    """Median per-call seconds of both sides over ``rounds`` interleaved rounds, the order
     alternating each round (so drift in machine load hits both sides alike)."""
     for fn in (mlir_call, inductor_call):  # warm caches and lazy initialisation
         fn()
     mlir, inductor = [], []
-    for i in range(ROUNDS):
+    for i in range(rounds):
         if i % 2:
-            inductor.append(_per_call(inductor_call, SAMPLE_S))
-            mlir.append(_per_call(mlir_call, SAMPLE_S))
+            inductor.append(_per_call(inductor_call, sample_s))
+            mlir.append(_per_call(mlir_call, sample_s))
         else:
-            mlir.append(_per_call(mlir_call, SAMPLE_S))
-            inductor.append(_per_call(inductor_call, SAMPLE_S))
+            mlir.append(_per_call(mlir_call, sample_s))
+            inductor.append(_per_call(inductor_call, sample_s))
     return statistics.median(mlir), statistics.median(inductor)
 
 
-_TIMER: list[Timer] = [interleaved_timer]
+def graph_timer(outlined_call: Call, plain_call: Call) -> tuple[float, float]:
+    """:func:`interleaved_timer` sized for whole graphs (:data:`GRAPH_ROUNDS`,
+    :data:`GRAPH_SAMPLE_S`)."""
+    return interleaved_timer(outlined_call, plain_call, GRAPH_ROUNDS, GRAPH_SAMPLE_S)
+
+
+_TIMER: list[Timer] = []
+_GRAPH_TIMER: list[Timer] = []
 
 
 @contextlib.contextmanager
 def use_timer(timer: Timer) -> Iterator[None]:
-    """Decide with ``timer`` inside the block (tests inject fixed times: no test may depend on
-    the speed of the machine it runs on)."""
+    """Decide with ``timer`` inside the block, per region and for whole graphs (tests inject
+    fixed times: no test may depend on the speed of the machine it runs on)."""
     _TIMER.append(timer)
     try:
         yield
     finally:
         _TIMER.pop()
+
+
+@contextlib.contextmanager
+def use_graph_timer(timer: Timer) -> Iterator[None]:
+    """Decide the whole-graph check with ``timer`` inside the block (over :func:`use_timer`)."""
+    _GRAPH_TIMER.append(timer)
+    try:
+        yield
+    finally:
+        _GRAPH_TIMER.pop()
+
+
+def _region_timer() -> Timer:
+    return _TIMER[-1] if _TIMER else interleaved_timer
+
+
+def _whole_graph_timer() -> Timer:
+    if _GRAPH_TIMER:
+        return _GRAPH_TIMER[-1]
+    return _TIMER[-1] if _TIMER else graph_timer
 
 
 def example_inputs(gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -215,7 +260,9 @@ def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
     with (
         unset_fake_temporarily(),
         tracing(TracingContext(None)),
-        inductor_config.patch(post_grad_custom_post_pass=None),
+        # freezing off: a whole graph's constants are already get_attr nodes (the outer
+        # compile froze them), and the region is compiled as it stands
+        inductor_config.patch(post_grad_custom_post_pass=None, freezing=False),
     ):
         example: list[torch.Tensor | int | torch.SymInt | None] = list(inputs)
         compiled: Any = torch._inductor.compile(region, example)
@@ -257,8 +304,75 @@ def decide(
     inputs = example_inputs(gm)
     inductor_call = inductor_kernel(gm, inputs)
     with unset_fake_temporarily():
-        mlir_s, inductor_s = _TIMER[-1](lambda: run_mlir(inputs), inductor_call)
+        mlir_s, inductor_s = _region_timer()(lambda: run_mlir(inputs), inductor_call)
     decision = Decision(mlir_s <= inductor_s, mlir_s, inductor_s, "measured")
     cache.put(key, decision, machine)
     log.info("region %s on %s: %s", region_hash, machine.describe(), decision.describe())
+    return decision
+
+
+def graph_signature(gm: fx.GraphModule) -> str:
+    """SHA-256 of a graph's structure and of every value's dtype, shape and strides: two graphs
+    with the same signature compile to the same kernels. (Node names are part of it: a graph
+    traced again from the same model gets the same names.)"""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        digest.update(f"{node.op}|{node.name}|{node.target}|{node.args}|{node.kwargs}".encode())
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            digest.update(f"|{value.dtype}|{tuple(value.shape)}|{value.stride()}".encode())
+    return digest.hexdigest()
+
+
+def static_inputs_refusal(gm: fx.GraphModule) -> str | None:
+    """Why random inputs cannot be made for ``gm``'s placeholders (None if they can)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return f"input {node.name} is not a tensor ({type(value).__name__})"
+        if not all(isinstance(d, int) for d in value.shape):
+            return f"input {node.name} has a symbolic shape"
+    return None
+
+
+def decide_graph(
+    plain: fx.GraphModule,
+    outlined: fx.GraphModule,
+    machine: MachineProfile,
+    cache: DecisionCache | None = None,
+) -> Decision:
+    """Keep the outlined regions (``use_mlir``) only if the whole graph runs faster with them.
+
+    Both graphs are compiled by Inductor standalone (mfusion's pass off) and timed on the same
+    random inputs; from the cache if this pair of graphs was decided on this machine before.
+
+    Args:
+        plain: The graph before outlining (a snapshot; placeholders carry fake values).
+        outlined: The same graph with the regions replaced by ``mfusion::mlir_region`` calls.
+        machine: The profile the decision holds for.
+        cache: Where decisions are kept (default: :func:`cache_dir`).
+
+    Raises:
+        RuntimeError: a graph could not be compiled or run (the caller puts the regions back).
+    """
+    cache = cache if cache is not None else DecisionCache()
+    pair = hashlib.sha256((graph_signature(plain) + graph_signature(outlined)).encode())
+    key = DecisionCache.key(f"graph-{pair.hexdigest()[:32]}", "whole", machine)
+    cached = cache.get(key)
+    if cached is not None:
+        log.info("graph %s: %s", key, cached.describe())
+        return cached
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    inputs = example_inputs(plain)
+    try:
+        plain_call = inductor_kernel(plain, inputs)
+        outlined_call = inductor_kernel(outlined, inputs)
+        with unset_fake_temporarily():
+            outlined_s, plain_s = _whole_graph_timer()(outlined_call, plain_call)
+    except Exception as error:  # Inductor reports failures as many error types
+        raise RuntimeError(f"{type(error).__name__}: {error}") from error
+    decision = Decision(outlined_s < plain_s, outlined_s, plain_s, "measured")
+    cache.put(key, decision, machine)
+    log.info("graph %s on %s: %s", key, machine.describe(), decision.describe())
     return decision
