@@ -31,14 +31,16 @@ CASES = [
 
 
 @torch.no_grad()
-def _ring_rank(q, k, v, cases) -> list:
+def _ring_rank(q, k, v, cases, kernel=None) -> list:
     ring = RingAttention(None)
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for case in cases:
         opts = {key: val for key, val in case.items() if key != "sparsity"}
         chunks = [tiled_chunk(t, GRID, world, rank, **opts) for t in (q, k, v)]
-        out = ring.sparse(*chunks, latent_shape=GRID, sparsity=case["sparsity"], **opts)
+        out = ring.sparse(
+            *chunks, latent_shape=GRID, sparsity=case["sparsity"], kernel=kernel, **opts
+        )
         results.append((out, ring.attended_blocks))
     return results
 
@@ -57,10 +59,15 @@ def _kept_pairs(q, k, case) -> int:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [2, 3])
-def test_sparse_ring_equals_single_process_sparse_attention(world, qkv_factory):
+@pytest.mark.parametrize(
+    ("world", "kernel"),
+    [(2, None), (3, None), (2, "gather")],
+    ids=["2-fused", "3-fused", "2-gather"],
+)
+def test_sparse_ring_equals_single_process_sparse_attention(world, kernel, qkv_factory):
+    """The chunks run the fused CPU kernel by default (``None`` on CPU), or block gather."""
     q, k, v = qkv_factory(GRID, heads=2, dim=16, batch=2)
-    per_rank = launch(_ring_rank, world, q, k, v, CASES, timeout=900)
+    per_rank = launch(_ring_rank, world, q, k, v, CASES, kernel, timeout=900)
     seq = math.prod(GRID)
     for i, case in enumerate(CASES):
         opts = {key: val for key, val in case.items() if key != "sparsity"}
@@ -92,3 +99,28 @@ def test_merge_of_rows_that_attended_nothing_stays_zero():
     assert torch.equal(merged[0, 0, 0], torch.zeros(4))
     assert torch.equal(merged[0, 0, 1], torch.zeros(4))  # the old row, weight 1
     assert merged_lse[0, 0, 0] == -math.inf and merged_lse[0, 0, 1] == 0.5
+
+
+def test_fused_kernel_with_lse_equals_gather_with_lse(qkv_factory):
+    """The fused kernel's (out, lse), shared blocks merged in, equal block gather's, including
+    query blocks that keep nothing in this chunk (lse very negative, output zero)."""
+    from liteboost.ops.block_gather import block_sparse_attention_with_lse
+    from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention_with_lse, load_cpu_kernel
+
+    if load_cpu_kernel() is None:
+        pytest.skip("no C++ toolchain: the fused kernel falls back to block gather")
+    q, k, v = qkv_factory((2, 4, 8), heads=2, dim=16, batch=1)  # 64 tokens, 4 blocks of 16
+    index = torch.tensor([[0, 2, -1], [0, -1, -1], [-1, -1, -1], [0, 3, 1]], dtype=torch.int32)
+    index = index.expand(1, 2, 4, 3).contiguous()  # block 0 kept by 3 of 4 rows: not shared
+    for idx in (index, index.flip(-1).contiguous()):  # -1 padding anywhere in a row
+        out, lse = fused_cpu_block_sparse_attention_with_lse(q, k, v, idx, 16)
+        ref_out, ref_lse = block_sparse_attention_with_lse(q, k, v, idx, 16)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        attended = ref_lse > -1e30
+        torch.testing.assert_close(lse[attended], ref_lse[attended], atol=1e-5, rtol=1e-5)
+        assert (lse[~attended] < -1e30).all() and (out[..., 32:48, :] == 0).all()
+    shared = torch.tensor([[0, 2], [0, 1], [0, 3], [0, 1]], dtype=torch.int32).expand(1, 2, 4, 2)
+    out, lse = fused_cpu_block_sparse_attention_with_lse(q, k, v, shared.contiguous(), 16)
+    ref_out, ref_lse = block_sparse_attention_with_lse(q, k, v, shared.contiguous(), 16)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)

@@ -294,6 +294,21 @@ def merge_shared_blocks(
     dense SDPA's full rate. CPU and inference only: torch neither exposes the fused kernel's LSE on
     other devices nor differentiates it.
     """
+    return merge_shared_blocks_with_lse(q, k, v, out, lse, shared, kv_block, scale)[0]
+
+
+def merge_shared_blocks_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    shared: torch.Tensor,
+    kv_block: int,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_shared_blocks` plus the merged log-sum-exp [B, N, Sq] (fp32), for callers
+    that merge further partial results (ring attention)."""
     tokens = (shared.nonzero() * kv_block + torch.arange(kv_block, device=q.device)).flatten()
     tokens = tokens[tokens < k.shape[-2]]  # the last block may be partial
     shared_out, shared_lse = _attend(
@@ -302,4 +317,5 @@ def merge_shared_blocks(
     total = torch.logaddexp(lse, shared_lse)
     weight = (lse - total).exp().unsqueeze(-1)
     shared_weight = (shared_lse - total).exp().unsqueeze(-1)
-    return (out.float() * weight + shared_out.float() * shared_weight).to(out.dtype)
+    merged = (out.float() * weight + shared_out.float() * shared_weight).to(out.dtype)
+    return merged, total.float()

@@ -26,8 +26,9 @@ import torch
 
 from liteboost import env
 from liteboost.ops.block_gather import (
+    block_sparse_attention_with_lse,
     gather_block_sparse_attention,
-    merge_shared_blocks,
+    merge_shared_blocks_with_lse,
     shared_blocks,
     without_blocks,
 )
@@ -147,20 +148,67 @@ def fused_cpu_block_sparse_attention(
     Returns:
         [B, N, Sq, Dv]. Query blocks that keep no key block get zeros.
     """
-    check_same_heads(q, k, v)
-    if q.device.type != "cpu":
-        raise ValueError(f"the 'cpu' sparse kernel needs CPU tensors; got device {q.device}")
+    _check_cpu(q, k, v)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     kernel = None if needs_grad else load_cpu_kernel()
     if kernel is None:
         return gather_block_sparse_attention(q, k, v, block_index, block_size, scale)
+    out, _ = _run_kernel(kernel, q, k, v, block_index, block_size, scale)
+    return out.to(q.dtype)
+
+
+def fused_cpu_block_sparse_attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_size: BlockSize,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_cpu_block_sparse_attention` plus each query row's log-sum-exp.
+
+    For callers that merge partial attentions (ring attention over K/V chunks), as
+    :func:`liteboost.ops.block_gather.block_sparse_attention_with_lse`, whose contract this
+    keeps: out [B, N, Sq, Dv] in ``q``'s dtype, lse [B, N, Sq] fp32, very negative (the kernel
+    writes the lowest float) on rows that keep no key block here, whose output rows are zeros.
+    Inference only; where the kernel cannot be built, or autograd records, the block-gather
+    version runs.
+    """
+    _check_cpu(q, k, v)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    kernel = None if needs_grad else load_cpu_kernel()
+    if kernel is None:
+        return block_sparse_attention_with_lse(q, k, v, block_index, block_size, scale)
+    out, lse = _run_kernel(kernel, q, k, v, block_index, block_size, scale)
+    return out.to(q.dtype), lse
+
+
+def _check_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    check_same_heads(q, k, v)
+    if q.device.type != "cpu":
+        raise ValueError(f"the 'cpu' sparse kernel needs CPU tensors; got device {q.device}")
+
+
+def _run_kernel(
+    kernel: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_size: BlockSize,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 [B, N, Sq, Dv], lse fp32 [B, N, Sq]) of the fused kernel.
+
+    Key blocks that every query row keeps run once for all queries at dense SDPA's rate and
+    are merged through the kernel's log-sum-exp.
+    """
     q_block, kv_block = block_shape(block_size)
     b, n, sq, d = q.shape
     qf, kf, vf = (t.float() for t in (q, k, v))
     shared = shared_blocks(block_index, math.ceil(k.shape[2] / kv_block))
     has_shared = bool(shared.any())
     if has_shared:
-        # Blocks every row keeps run once for all queries at dense SDPA's rate (merged below).
         block_index = without_blocks(block_index, shared)
     rows = [t.reshape(b * n, t.shape[2], t.shape[3]) for t in (qf, kf, vf)]
     index = block_index.reshape(b * n, block_index.shape[2], block_index.shape[3]).long()
@@ -168,5 +216,5 @@ def fused_cpu_block_sparse_attention(
     out, lse = kernel.block_sparse_attention(*rows, index, q_block, kv_block, scale)
     out, lse = out.view(b, n, sq, v.shape[-1]), lse.view(b, n, sq)
     if has_shared:
-        out = merge_shared_blocks(qf, kf, vf, out, lse, shared, kv_block, scale)
-    return out.to(q.dtype)
+        out, lse = merge_shared_blocks_with_lse(qf, kf, vf, out, lse, shared, kv_block, scale)
+    return out, lse

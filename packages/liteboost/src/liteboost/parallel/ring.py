@@ -24,6 +24,7 @@ passed on without compute.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from liteboost.ops import tiling
 from liteboost.ops.block_gather import block_sparse_attention_with_lse
 from liteboost.ops.blocks import BlockSize, block_shape
+from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention_with_lse
 from liteboost.ops.sparse_attention import block_means, block_sums, select_pooled_blocks
 
 
@@ -158,6 +160,7 @@ class RingAttention:
         first_frame_sink: bool = True,
         tile: tuple[int, int, int] | None = None,
         scale: float | None = None,
+        kernel: str | None = None,
     ) -> torch.Tensor:
         """Block-sparse attention (the single process's kept blocks) over the ring.
 
@@ -175,6 +178,11 @@ class RingAttention:
             text_len: text tokens after the video tokens.
             first_frame_sink, tile: as in :func:`liteboost.ops.sparse_attention`.
             scale: softmax scale (default 1 / sqrt(D)).
+            kernel: the per-chunk kernel, both returning the log-sum-exp the merge needs:
+                "cpu" (the fused C++ kernel; it falls back to block gather itself where it
+                cannot be built or autograd records), "gather" (block gather), or None: "cpu"
+                for CPU tensors, "gather" elsewhere. The fused kernel measured faster than
+                block gather per chunk (``benchmarks/ring_sparse.py``).
 
         Returns:
             [B, N, L, D] in ``q``'s dtype, this rank's chunk in tile order (pad rows: zeros or
@@ -183,6 +191,7 @@ class RingAttention:
         After the call, ``attended_blocks`` holds the (query block, key block) pairs this rank
         computed: exactly the kept pairs of its query blocks.
         """
+        attend = _chunk_kernel(kernel, q.device)
         q_block, kv_block = block_shape(block_size)
         chunk = q.shape[2]
         if chunk % q_block or chunk % kv_block:
@@ -234,7 +243,7 @@ class RingAttention:
             local = torch.where((local >= 0) & (local < key_blocks), local, -1)
             kept = int((local >= 0).sum())
             if valid > 0 and kept:
-                part, part_lse = block_sparse_attention_with_lse(
+                part, part_lse = attend(
                     q, kv[0, :, :, :valid], kv[1, :, :, :valid], local, (q_block, kv_block), scale
                 )
                 out, lse = merge_partials(out, lse, part, part_lse)
@@ -247,6 +256,28 @@ class RingAttention:
         if out is None:
             return torch.zeros_like(q)
         return out.to(q.dtype)
+
+
+_CHUNK_KERNELS = {
+    "cpu": fused_cpu_block_sparse_attention_with_lse,
+    "gather": block_sparse_attention_with_lse,
+}
+
+
+def _chunk_kernel(
+    kernel: str | None, device: torch.device
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The sparse ring's per-chunk kernel (out, log-sum-exp) for ``kernel`` on ``device``."""
+    if kernel is None:
+        kernel = "cpu" if device.type == "cpu" else "gather"
+    if kernel not in _CHUNK_KERNELS:
+        raise ValueError(
+            f"kernel={kernel!r} for ring attention's chunks; use one of {sorted(_CHUNK_KERNELS)} "
+            "or None (cpu on CPU tensors, else gather)"
+        )
+    if kernel == "cpu" and device.type != "cpu":
+        raise ValueError(f"kernel='cpu' needs CPU tensors; got device {device}")
+    return _CHUNK_KERNELS[kernel]
 
 
 def tiled_chunk(
