@@ -257,3 +257,41 @@ def test_tracker_keeps_autograd_in_place_check_outside_regions():
     y.add_(1)
     with pytest.raises(RuntimeError, match=r"modified in place afterwards \(version 0 -> 1\)"):
         out.backward()
+
+
+def test_swapped_host_buffers_return_to_the_pool_without_garbage_collection():
+    """Once backward frees the graph, every host buffer a step swapped to (op outputs and
+    region inputs) is back in the pool, so the next step reuses it instead of allocating (and
+    on accelerators pinning) a new one. A reference cycle between a region and its swaps kept
+    them until a gc run: the pool grew by one step's swapped bytes per step."""
+    import gc
+
+    from hyperparallel.activation import SwapSchedule
+    from hyperparallel.activation.swap import _ENGINE
+
+    torch.manual_seed(0)
+    blocks = [
+        checkpoint_wrapper(DropoutBlock(32), uniform(CheckpointPolicy.MUST_SWAP), swap_inputs=True)
+        for _ in range(3)
+    ]
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def step() -> None:
+        with SwapSchedule(offload_after=1):
+            h = x
+            for block in blocks:
+                h = block(h)
+            h.sum().backward()
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        step()  # the pool's first buffers
+        after_first = _ENGINE.pool.nbytes
+        for _ in range(3):
+            step()
+        assert _ENGINE.pool.nbytes == after_first
+    finally:
+        if enabled:
+            gc.enable()
+    assert after_first > 0

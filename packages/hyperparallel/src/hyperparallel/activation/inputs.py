@@ -65,15 +65,13 @@ class RegionInputs:
         for i, t in list(self._tensors.items()):
             if is_parameter_like(t) or not t.untyped_storage().nbytes():
                 continue
-            swap = SwappedStorage(t, functools.partial(self._describe_input, i))
+            # A function of plain values: a bound method would make a cycle (inputs -> swap ->
+            # inputs) that keeps the pinned host buffer from the pool until a gc run.
+            swap = SwappedStorage(t, functools.partial(_describe_input, self.name, i))
             self._swaps[i] = swap
             if self._tracker is not None:
                 self._tracker.move_tensor(t, "host")
             del self._tensors[i]
-
-    def _describe_input(self, index: int) -> str:
-        """Names an input in the error raised when it is modified after the offload."""
-        return f"input {index} of checkpoint region {self.name!r}"
 
     def release(self) -> None:
         """Drop the device references: nothing will read the inputs again."""
@@ -113,3 +111,8 @@ class RegionInputs:
                 leaves[i] = self.tensor(i).detach().requires_grad_(meta.requires_grad)
         args, kwargs = tree_unflatten(leaves, self._spec)
         return args, kwargs
+
+
+def _describe_input(region: str, index: int) -> str:
+    """Names an input in the error raised when it is modified after the offload."""
+    return f"input {index} of checkpoint region {region!r}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -190,10 +191,11 @@ class Region:
         if record.policy.is_swap:
             swap = record.swaps.get(key)
             if swap is None:
-                swap = record.swaps[key] = SwappedStorage(
-                    tensor,
-                    lambda: f"output of {record.op} (op {record.index}) in region {self.name!r}",
-                )
+                # The description holds plain values, not the record or the region: both hold
+                # the swap, and a cycle would keep its pinned host buffer out of the pool until
+                # the garbage collector runs (a step's worth of new pinned memory every step).
+                what = f"output of {record.op} (op {record.index}) in region {self.name!r}"
+                swap = record.swaps[key] = SwappedStorage(tensor, functools.partial(str, what))
                 self._swapped.append(swap)
             if self._tracker is not None:
                 self._tracker.add(("swap", id(swap)), swap.nbytes, "host")
