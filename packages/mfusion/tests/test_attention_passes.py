@@ -172,3 +172,138 @@ def test_compiled_eager_attention_runs_flash_and_matches_eager():
     assert sum(graph.rewritten("attention") for graph in report) == 1, str(report)
     torch.testing.assert_close(out, eager_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def _flash_node(gm):
+    (node,) = [n for n in gm.graph.nodes if n.target is FLASH]
+    return node
+
+
+def test_repeated_kv_heads_go_to_the_kernel_ungrouped(harness):
+    """transformers' repeat_kv (unsqueeze, expand, copy, reshape) is dropped: the kernel reads
+    the 2 K/V heads for 4 query heads itself, and the result is the repeated one's."""
+    q, k, v, mask = inputs(512, torch.float32)
+    gm = trace(eager_attention, q, k, v, mask)
+    assert harness.count(gm, aten.clone.default) == 2  # the two repeat copies
+    record = harness.apply(gm, "attention")
+    assert record.rewritten("attention") == 1
+    assert "GQA 2 K/V heads" in record.decisions[0].reason
+    flash = _flash_node(gm)
+    for operand in flash.args[1:3]:
+        assert tuple(operand.meta["val"].shape) == (B, KV_HEADS, 512, DIM)
+    assert harness.count(gm, aten.clone.default) == 0
+    out = run(gm, q, k, v, mask)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def tile_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Heads tiled ``h0 h1 h0 h1`` (not ``repeat_kv``'s ``h0 h0 h1 h1``): another grouping."""
+    b, h, s, d = x.shape
+    return x[:, None].expand(b, n_rep, h, s, d).reshape(b, h * n_rep, s, d)
+
+
+def test_other_head_groupings_keep_their_repeated_kv(harness):
+    """K/V repeated in another order, or not grouped at all, go to the kernel as they are: the
+    kernel's grouping (query head h reads K/V head h // n_rep) would be wrong for them."""
+    q, k, v, mask = inputs(512, torch.float32)
+
+    def tiled(q, k, v, mask):
+        scores = torch.matmul(q, tile_kv(k, 2).transpose(2, 3)) * 0.25 + mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, tile_kv(v, 2))
+
+    gm = trace(tiled, q, k, v, mask)
+    record = harness.apply(gm, "attention")
+    assert record.rewritten("attention") == 1 and "GQA" not in record.decisions[0].reason
+    assert tuple(_flash_node(gm).args[1].meta["val"].shape) == (B, HEADS, 512, DIM)
+    torch.testing.assert_close(run(gm, q, k, v, mask), tiled(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+    full_heads = inputs(512, torch.float32)[0]  # K/V with as many heads as Q
+    gm = trace(eager_attention, q, full_heads, full_heads, mask)
+    record = harness.apply(gm, "attention")
+    assert record.rewritten("attention") == 1 and "GQA" not in record.decisions[0].reason
+
+
+def test_grouped_kv_stays_repeated_where_the_kernel_lacks_gqa(harness, monkeypatch):
+    from mfusion.passes import attention
+
+    assert attention.flash_takes_gqa()  # this torch's kernel: the probe's positive case
+    monkeypatch.setattr(attention, "flash_takes_gqa", lambda: False)
+    q, k, v, mask = inputs(512, torch.float32)
+    gm = trace(eager_attention, q, k, v, mask)
+    assert harness.apply(gm, "attention").rewritten("attention") == 1
+    assert tuple(_flash_node(gm).args[1].meta["val"].shape) == (B, HEADS, 512, DIM)
+    torch.testing.assert_close(
+        run(gm, q, k, v, mask).double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5
+    )
+
+
+def built_mask(length: int, keys: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask computed from ``arange`` inside the traced function (as transformers
+    builds it: no graph input), expanded over the batch."""
+    i = torch.arange(length)[:, None] + (keys - length)  # bottom-right aligned, like HF
+    j = torch.arange(keys)[None, :]
+    allowed = j <= i
+    if kind == "sliding":
+        allowed = allowed & (j > i - 64)
+    blocked = -10_000.0 if kind == "small-blocked" else torch.finfo(dtype).min
+    mask = torch.zeros(length, keys, dtype=dtype).masked_fill(~allowed, blocked)
+    return mask[None, None].expand(B, 1, length, keys)
+
+
+def masked_attention(kind: str, length: int):
+    def fn(q, k, v, mask):
+        return eager_attention(q, k, v, built_mask(length, k.shape[2], kind, q.dtype))
+
+    return fn
+
+
+def test_causal_mask_built_in_the_graph_becomes_is_causal(harness):
+    """The arange-built causal mask is proven causal at compile time: the kernel gets
+    is_causal=True and no mask (the mask's nodes go away), same result."""
+    q, k, v, _ = inputs(512, torch.float32)
+    fn = masked_attention("causal", 512)
+    gm = trace(fn, q, k, v, None)
+    assert harness.count(gm, torch.ops.prims.iota.default) == 2
+    record = harness.apply(gm, "attention")
+    assert record.rewritten("attention") == 1
+    assert "causal, GQA" in record.decisions[0].reason
+    flash = _flash_node(gm)
+    assert flash.args[4] is True and "attn_mask" not in flash.kwargs
+    assert harness.count(gm, torch.ops.prims.iota.default) == 0
+    out = run(gm, q, k, v, None)
+    mask = built_mask(512, 512, "causal", torch.float32)
+    torch.testing.assert_close(out, fn(q, k, v, None), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "length"),
+    [("sliding", 512), ("small-blocked", 512), ("causal", 256)],
+    ids=["sliding-window", "blocked-by-minus-1e4", "fewer-queries-than-keys"],
+)
+def test_masks_not_proven_causal_are_passed_as_masks(harness, kind, length):
+    """A sliding window, a mask whose blocked value is not far enough below the scores, and a
+    causal mask with L != S (the kernel aligns is_causal top-left) keep the mask."""
+    q = inputs(length, torch.float32)[0]
+    _, k, v, _ = inputs(512, torch.float32)
+    fn = masked_attention(kind, length)
+    gm = trace(fn, q, k, v, None)
+    record = harness.apply(gm, "attention")
+    assert record.rewritten("attention") == 1
+    assert record.decisions[0].reason.startswith("flash attention (masked, GQA")
+    flash = _flash_node(gm)
+    assert flash.args[4] is False and "attn_mask" in flash.kwargs
+    mask = built_mask(length, 512, kind, torch.float32)
+    torch.testing.assert_close(
+        run(gm, q, k, v, None).double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_mask_from_a_graph_input_is_never_assumed_causal(harness):
+    """The same causal values arriving as an input can change between calls: kept as a mask."""
+    q, k, v, mask = inputs(512, torch.float32)
+    gm = trace(eager_attention, q, k, v, mask)
+    harness.apply(gm, "attention")
+    flash = _flash_node(gm)
+    assert flash.args[4] is False and "attn_mask" in flash.kwargs

@@ -195,3 +195,59 @@ def cast_target(node: object) -> torch.dtype | None:
 
 def _as_dtype(value: object) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
+
+
+CONSTANT_NODES = 64
+"""Largest subgraph :func:`constant_value` evaluates (masks built from ``iota``: ~15 nodes)."""
+CONSTANT_NUMEL = 1 << 24
+"""Largest tensor :func:`constant_value` materialises on the way (a 4096 x 4096 mask)."""
+
+
+def constant_value(node: fx.Node) -> torch.Tensor | None:
+    """The value of ``node`` when it depends on no graph input: its ancestors are factory ops
+    (``iota``, ``full``, ...), frozen constants (``get_attr``) and deterministic ops on them.
+    Evaluated now with real tensors; None when it reads an input, is too large, or an op is
+    random or fails. Used to prove a property of a value (a causal mask) at compile time."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if len(seen) > CONSTANT_NODES or current.op not in ("call_function", "get_attr"):
+            return None
+        if current.op == "call_function":
+            target = current.target
+            if not isinstance(target, torch._ops.OpOverload):
+                return None
+            if torch.Tag.nondeterministic_seeded in target.tags:
+                return None
+        value = tensor_val(current)
+        if value is not None and value.numel() > CONSTANT_NUMEL:
+            return None
+        stack.extend(current.all_input_nodes)
+    root = node.graph.owning_module
+    env: dict[fx.Node, Any] = {}
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily():
+            for current in node.graph.nodes:
+                if current not in seen:
+                    continue
+                if current.op == "get_attr":
+                    if root is None:
+                        return None
+                    attribute: Any = root
+                    for part in str(current.target).split("."):
+                        attribute = getattr(attribute, part)
+                    env[current] = attribute
+                else:
+                    args = fx.map_arg(current.args, env.__getitem__)
+                    kwargs = fx.map_arg(current.kwargs, env.__getitem__)
+                    env[current] = current.target(*args, **kwargs)
+    except Exception:  # an op that cannot run eagerly here: not provably constant
+        return None
+    result = env[node]
+    return result if isinstance(result, torch.Tensor) else None

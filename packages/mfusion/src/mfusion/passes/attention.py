@@ -16,6 +16,20 @@ length tried. Hence :data:`MIN_KEYS`: the smallest key length, per dtype, from w
 was measured to pay (one thread, AVX-512 CPU, both forms compiled by Inductor); dtypes absent
 from it are refused. CPU only: on GPUs Inductor's own patterns and kernels are left to decide.
 
+Two forms the kernel runs cheaper, used where they are provably the same computation:
+
+- **GQA.** transformers repeats grouped K/V heads (``repeat_kv``: unsqueeze, expand, copy,
+  reshape) before the matmuls. The CPU flash kernel takes K/V with fewer heads than Q (each
+  query head reads key head ``h // (H / H_kv)``, the order ``repeat_kv`` produces), so the
+  un-repeated K/V go to the kernel and the copies go away. Used only where this torch's kernel
+  is probed once to accept the grouped form and return the same result as the repeated one.
+- **Causal.** A mask that depends on no graph input (built from ``iota`` comparisons, as
+  transformers builds it, or a frozen constant) is evaluated at compile time; if it is exactly
+  the causal mask (0 on and below the diagonal, at most -1e30 above it, any batch/head
+  broadcast, L = S), the kernel is called with ``is_causal=True`` and no mask: it skips the
+  blocks above the diagonal, and the result is the same (a masked score's ``exp`` is exactly
+  0 either way; no row is fully masked). Any other mask is passed as a mask.
+
 Inference only in effect: in a training graph the softmax output is saved for the backward, so
 the probabilities have another user and the match is refused (a post-grad pass cannot change the
 already-partitioned backward graph).
@@ -23,6 +37,7 @@ already-partitioned backward graph).
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -34,6 +49,7 @@ from mfusion.passes._graph import (
     as_node,
     aten,
     cast_target,
+    constant_value,
     dtype_of,
     emit,
     int_list,
@@ -60,6 +76,82 @@ def _static_shape(node: object) -> tuple[int, ...] | None:
     if value is None or not all(isinstance(d, int) for d in value.shape):
         return None
     return tuple(int(d) for d in value.shape)
+
+
+BLOCKED = -1e30
+"""A mask entry at or below this blocks its key exactly: ``exp(score + m - max)`` is 0."""
+
+
+@functools.cache
+def flash_takes_gqa() -> bool:
+    """True if this torch's CPU flash kernel accepts K/V with fewer heads than Q and gives the
+    result of the repeated K/V (probed once per process on a tiny causal case)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, 16, generator=gen)
+    k, v = torch.randn(1, 2, 8, 16, generator=gen), torch.randn(1, 2, 8, 16, generator=gen)
+    try:
+        with unset_fake_temporarily():
+            grouped = flash(q, k, v, 0.0, True)[0]
+            repeated = flash(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 0.0, True)[0]
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return grouped.shape == repeated.shape and bool(torch.allclose(grouped, repeated))
+
+
+def _noop_slices(node: object) -> object:
+    """Skip ``slice`` ops that keep the whole dimension (``x[:, :, None]`` writes them)."""
+    while is_op(node, aten.slice.Tensor) and _static_shape(node) == _static_shape(node.args[0]):
+        node = node.args[0]
+    return node
+
+
+def ungrouped(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(kv, n_rep)`` when ``node`` is transformers' ``repeat_kv(kv, n_rep)`` of a 4-D ``kv``:
+    ``reshape(expand(kv[:, :, None], [B, Hkv, n_rep, S, D]), [B, Hkv * n_rep, S, D])`` (the
+    copy a reshape of an expand needs may sit between); None otherwise."""
+    if not is_op(node, *VIEWS):
+        return None
+    source = node.args[0]
+    if is_op(source, aten.clone.default):
+        source = source.args[0]
+    if not is_op(source, aten.expand.default):
+        return None
+    inner = _noop_slices(source.args[0])
+    if not is_op(inner, aten.unsqueeze.default) or not isinstance(inner.args[1], int):
+        return None
+    kv = _noop_slices(inner.args[0])
+    shape, expanded, kv_shape = _static_shape(node), _static_shape(source), _static_shape(kv)
+    if shape is None or expanded is None or kv_shape is None or not isinstance(kv, fx.Node):
+        return None
+    if len(kv_shape) != 4 or len(expanded) != 5 or inner.args[1] % 5 != 2:
+        return None
+    b, heads, keys, dim = kv_shape
+    n_rep = expanded[2]
+    if expanded != (b, heads, n_rep, keys, dim) or shape != (b, heads * n_rep, keys, dim):
+        return None
+    return kv, n_rep
+
+
+def is_causal_mask(mask: fx.Node, length: int, keys: int) -> bool:
+    """True if ``mask`` is provably the causal additive mask of ``[.., length, keys]`` scores:
+    it depends on no graph input (:func:`constant_value`), ``length == keys``, every entry on
+    or below the diagonal is 0 and every entry above it is at most :data:`BLOCKED`."""
+    if length != keys:
+        return False  # the kernel's is_causal is top-left aligned; transformers' bottom-right
+    value = constant_value(mask)
+    if value is None or value.dim() != 4 or tuple(value.shape[-2:]) != (length, keys):
+        return False
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        allowed = torch.ones(length, keys, dtype=torch.bool).tril()
+        scores = value.float()
+        open_ok = bool((scores[..., allowed] == 0).all())
+        blocked_ok = bool((scores[..., ~allowed] <= BLOCKED).all())
+    return open_ok and blocked_ok
 
 
 def _strip(node: object) -> object:
@@ -211,20 +303,30 @@ class AttentionPass(MFusionPass):
             raise Refusal(f"{dtype}: the CPU flash kernel was not measured to pay (MIN_KEYS)")
         if keys < threshold:
             raise Refusal(f"key length {keys} < {threshold}: measured not to pay (MIN_KEYS)")
+        causal = isinstance(mask, fx.Node) and is_causal_mask(mask, length, keys)
+        k_in, v_in, n_rep = k, v, 1
+        grouped_k, grouped_v = ungrouped(k), ungrouped(v)
+        if (
+            grouped_k is not None
+            and grouped_v is not None
+            and grouped_k[1] == grouped_v[1] > 1
+            and flash_takes_gqa()
+        ):
+            (k_in, n_rep), (v_in, _) = grouped_k, grouped_v
 
         def rewrite() -> str:
             graph = node.graph
             kwargs: dict[str, object] = {"scale": scale}
-            if mask is not None:
+            if mask is not None and not causal:
                 kwargs["attn_mask"] = mask
             flash = emit(
                 graph,
                 aten._scaled_dot_product_flash_attention_for_cpu.default,
                 q,
-                k,
-                v,
+                k_in,
+                v_in,
                 0.0,
-                False,
+                causal,
                 **kwargs,
             )
             out = emit(graph, operator.getitem, flash, 0)
@@ -235,8 +337,9 @@ class AttentionPass(MFusionPass):
                     replace(user, out)
             if node.users:
                 replace(node, emit(graph, aten.reshape.default, out, [b * h, length, ev]))
-            masked = "masked, " if mask is not None else ""
-            return f"flash attention ({masked}{dtype}, L={length}, S={keys}, scale {scale:.4g})"
+            form = "causal, " if causal else "masked, " if mask is not None else ""
+            form += f"GQA {h // n_rep} K/V heads, " if n_rep > 1 else ""
+            return f"flash attention ({form}{dtype}, L={length}, S={keys}, scale {scale:.4g})"
 
         return rewrite
 
