@@ -196,6 +196,8 @@ def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, objec
         "compile s (mfusion)": compile_fused,
         "rewrites": _rewrites(report),
         "refused": _refusals(report),
+        "regions outlined": _regions(report),
+        "whole graph": [g.whole_graph for g in report.graphs if g.whole_graph],
         "refusal reasons": _refusal_reasons(report),
         "max err (inductor, mfusion) / bound": (
             f"{errors[0] / bound:.2g}, {errors[1] / bound:.2g}"
@@ -212,6 +214,13 @@ def _rewrites(report: mfusion.Report) -> str:
             if decision.rewritten:
                 counts[decision.pass_name] = counts.get(decision.pass_name, 0) + 1
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+
+def _regions(report: mfusion.Report) -> str:
+    """``1/4``: regions a kernel-generating backend (``mlir-cpu``) outlined and kept, of those
+    planned; ``-`` when none was planned (the ``inductor`` backend plans but never outlines)."""
+    planned = [r for g in report.graphs for r in g.regions if r.backend != "inductor"]
+    return f"{sum(r.outlined for r in planned)}/{len(planned)}" if planned else "-"
 
 
 def _refusals(report: mfusion.Report) -> str:
@@ -330,6 +339,7 @@ def main() -> None:
         "compile s (mfusion)",
         "rewrites",
         "refused",
+        "regions outlined",
         "max err (inductor, mfusion) / bound",
         "accuracy",
     ]
@@ -349,6 +359,8 @@ def main() -> None:
         row_start = time.perf_counter()
         row = run_model(name, mode, args)
         slowest = max(slowest, time.perf_counter() - row_start)
+        for note in row["whole graph"]:  # type: ignore[union-attr]
+            print(f"    whole graph: {note}", flush=True)
         for pass_name, texts in row.pop("refusal reasons").items():  # type: ignore[union-attr]
             known = reasons.setdefault(pass_name, [])
             known.extend(t for t in texts if t not in known)
@@ -357,7 +369,7 @@ def main() -> None:
             f"    mfusion/inductor {row['mfusion / inductor']:.3f}x "
             f"(A/A {row['A/A control']:.3f}x, p25-p75 {row['ratio p25-p75']}), "
             f"rewrites {row['rewrites']}, refused {row['refused']}, "
-            f"accuracy {row['accuracy']}",
+            f"regions outlined {row['regions outlined']}, accuracy {row['accuracy']}",
             flush=True,
         )
         # One JSON line per row as it finishes, so a run stopped early keeps its rows.

@@ -269,6 +269,40 @@ def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
     return lambda: compiled(*inputs)
 
 
+def graph_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
+    """Inductor's compiled code for a whole post-grad graph, as a call on ``inputs``.
+
+    Compiled from the post-grad stage on (``compile_fx_inner``: no second AOT trace, no second
+    freezing), as the outer compile goes on with it, so frozen constants stay graph constants
+    (packed weights must) and mfusion's own pass is off. A graph returning one value (a traced
+    function's, not Inductor's) is changed in place to return a 1-tuple, as Inductor needs."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    (output,) = gm.graph.find_nodes(op="output")
+    if not isinstance(output.args[0], (tuple, list)):
+        output.args = ((output.args[0],),)
+        gm.recompile()
+    fake_mode = next(
+        (
+            node.meta["val"].fake_mode
+            for node in gm.graph.nodes
+            if isinstance(node.meta.get("val"), FakeTensor)
+        ),
+        None,
+    )
+    with (
+        tracing(TracingContext(fake_mode)),
+        inductor_config.patch(post_grad_custom_post_pass=None),
+    ):
+        # compiled for the placeholders' fake values (as the outer compile is), run on inputs
+        fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
+        compiled: Any = compile_fx_inner(gm, fakes)
+    return lambda: compiled(list(inputs))
+
+
 def decide(
     gm: fx.GraphModule,
     run_mlir: Callable[[list[torch.Tensor]], object],
@@ -366,8 +400,8 @@ def decide_graph(
 
     inputs = example_inputs(plain)
     try:
-        plain_call = inductor_kernel(plain, inputs)
-        outlined_call = inductor_kernel(outlined, inputs)
+        plain_call = graph_kernel(plain, inputs)
+        outlined_call = graph_kernel(outlined, inputs)
         with unset_fake_temporarily():
             outlined_s, plain_s = _whole_graph_timer()(outlined_call, plain_call)
     except Exception as error:  # Inductor reports failures as many error types
