@@ -12,6 +12,7 @@ are weak on NPUs and Inductor does not lower them, so a complex rotation would l
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -159,10 +160,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
         out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return out.flatten(-2).type_as(x)
-    # Eager: write both halves of an fp32 output in place, four passes over half-size views and
-    # no temporaries; bf16/fp16 inputs are promoted inside each op instead of copied first (on
-    # CPU the stacked form measured no faster than diffusers', this about 2-3x;
-    # benchmarks/rope.py).
+    kernel = _cpu_kernel(x, cos, sin)
+    if kernel is not None:
+        # One pass in C++ (fp32 arithmetic, one rounding to x's dtype): eager torch needs several
+        # passes and, for bf16, a conversion, which kept it at 1.3-1.5x diffusers in bf16.
+        return kernel.rope_rotate(x, cos, sin)
+    # Eager elsewhere (no compiler, autograd, other devices): write both halves of an fp32
+    # output in place, four passes over half-size views and no temporaries; bf16/fp16 inputs
+    # are promoted inside each op instead of copied first (on CPU the stacked form measured no
+    # faster than diffusers', this about 2-3x in fp32; benchmarks/rope.py).
     pairs = x.unflatten(-1, (-1, 2))
     x1, x2 = pairs[..., 0], pairs[..., 1]
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -173,3 +179,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     torch.mul(x1, sin, out=second)
     second.addcmul_(x2, cos)
     return out.type_as(x)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    """liteboost's C++ CPU extension when it can rotate ``x`` (inference on CPU, [B, S, N, D],
+    per-token fp32 tables [S, 1, D/2]), else None (the torch form runs).
+
+    The rotation lives in the same extension as the fused block-sparse kernel, so one build per
+    machine serves both (about a minute, on first use; without a compiler the torch form runs).
+    """
+    if (
+        x.device.type != "cpu"
+        or x.dim() != 4
+        or x.dtype not in _KERNEL_DTYPES
+        or (x.requires_grad and torch.is_grad_enabled())
+    ):
+        return None
+    table_shape = (x.shape[1], 1, x.shape[3] // 2)
+    for t in (cos, sin):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != table_shape:
+            return None
+    from liteboost.ops.fused_cpu import load_cpu_kernel
+
+    return load_cpu_kernel()

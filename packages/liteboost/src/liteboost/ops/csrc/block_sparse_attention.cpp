@@ -209,7 +209,72 @@ std::tuple<torch::Tensor, torch::Tensor> block_sparse_attention(torch::Tensor q,
   return {out, lse};
 }
 
+namespace {
+
+// out = (x1 cos - x2 sin, x1 sin + x2 cos) per interleaved channel pair, computed in fp32 and
+// rounded once to T. x, out: [rows = B * S * N, 2 * half] contiguous; cos, sin: [S, half] fp32.
+template <typename T>
+void rope_rows(const T* x, const float* cos, const float* sin, T* out, int64_t batch_seq,
+               int64_t seq, int64_t heads, int64_t half) {
+  at::parallel_for(0, batch_seq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bs = begin; bs < end; ++bs) {
+      const float* c = cos + (bs % seq) * half;
+      const float* s = sin + (bs % seq) * half;
+      for (int64_t n = 0; n < heads; ++n) {
+        const T* xr = x + (bs * heads + n) * 2 * half;
+        T* o = out + (bs * heads + n) * 2 * half;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = static_cast<float>(xr[2 * j]);
+          const float x2 = static_cast<float>(xr[2 * j + 1]);
+          o[2 * j] = static_cast<T>(x1 * c[j] - x2 * s[j]);
+          o[2 * j + 1] = static_cast<T>(x1 * s[j] + x2 * c[j]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Wan's rotary embedding in one pass: x [B, S, N, D] (fp32, bf16 or fp16), cos/sin [S, D/2]
+// fp32. Reads x once and writes the output once, where the eager torch form makes several
+// passes over half-size strided views plus a dtype conversion.
+torch::Tensor rope_rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "x must be [B, S, N, D] with D even");
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "rope_rotate runs on CPU tensors");
+  const int64_t half = x.size(3) / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.numel() == x.size(1) * half && sin.numel() == cos.numel(),
+              "cos and sin must be fp32 with S * D/2 values");
+  x = x.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t batch_seq = x.size(0) * x.size(1);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                out.data_ptr<float>(), batch_seq, x.size(1), x.size(2), half);
+      break;
+    case at::kBFloat16:
+      rope_rows(x.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                out.data_ptr<at::BFloat16>(), batch_seq, x.size(1), x.size(2), half);
+      break;
+    case at::kHalf:
+      rope_rows(x.data_ptr<at::Half>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                out.data_ptr<at::Half>(), batch_seq, x.size(1), x.size(2), half);
+      break;
+    default:
+      TORCH_CHECK(false, "rope_rotate takes fp32, bf16 or fp16, got ", x.scalar_type());
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_rotate", &rope_rotate, "Wan rotary embedding, one pass, fp32 arithmetic",
+        py::call_guard<py::gil_scoped_release>());
   // The GIL is released: the kernel touches no Python object, other Python threads may run.
   m.def("block_sparse_attention", &block_sparse_attention,
         "Block-sparse flash attention on CPU (fp32, forward)",
