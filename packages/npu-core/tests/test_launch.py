@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from npu_core.dist import LaunchTimeoutError, RankExitedError, RemoteTraceback, launch
+from npu_core.dist.launch import FORKSERVER_PRELOAD
 
 pytestmark = pytest.mark.distributed
 
@@ -113,6 +114,23 @@ def test_launch_rejects_bad_arguments(kwargs, message):
 def test_launch_with_spawn_start_method():
     """Fresh interpreters (spawn) work too, for platforms without forkserver."""
     assert launch(_sum_of_ranks, 2, 1, start_method="spawn") == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+def _modules_loaded_at_start() -> list[str]:
+    import sys
+
+    return [name for name in FORKSERVER_PRELOAD if name in sys.modules]
+
+
+def test_forkserver_ranks_start_with_distributed_modules_loaded():
+    """Ranks fork from a server that already imported FSDP2, pipelining and DCP (each rank
+    importing them took seconds per launch with several ranks on few cores); a spawned rank
+    is a fresh interpreter and has none of the distributed sub-packages."""
+    assert set(FORKSERVER_PRELOAD) >= {"torch.distributed.fsdp", "torch.distributed.pipelining"}
+    for loaded in launch(_modules_loaded_at_start, 2, backend=None):
+        assert loaded == list(FORKSERVER_PRELOAD)
+    spawned = launch(_modules_loaded_at_start, 1, backend=None, start_method="spawn")[0]
+    assert "torch.distributed.pipelining" not in spawned
 
 
 def _world_seen_by_run() -> list[tuple[int, int]]:

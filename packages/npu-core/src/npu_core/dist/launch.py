@@ -115,6 +115,20 @@ def _dumps_or_error(value: Any, rank: int) -> bytes:
 
 START_METHODS = ("forkserver", "spawn")
 
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+)
+"""Modules the forkserver imports once, so that ranks forked from it start with them loaded.
+
+Distributed jobs import FSDP2, pipelining (which pulls in ``torch._dynamo``, ~2 s alone) and
+DCP; imported in every rank, four ranks on two cores spent 5-10 s per launch on it. Preloading
+costs that once per process that launches, on its first launch."""
+
 
 def _context(start_method: str) -> Any:  # Spawn- or ForkServerContext (BaseContext lacks Process)
     # forkserver with torch preloaded: ranks fork from a server that imported torch and DTensor
@@ -124,7 +138,7 @@ def _context(start_method: str) -> Any:  # Spawn- or ForkServerContext (BaseCont
         raise ValueError(f"start_method={start_method!r}; use one of {START_METHODS}")
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return ctx
 
 
