@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -101,3 +102,39 @@ def test_copy_async_cuda_round_trip_through_pinned_host():
     assert torch.equal(back, produced.cpu())
     streams.copy_async(host, device_buf, stream).synchronize()
     assert torch.equal(device_buf.cpu(), host)
+
+
+def test_wait_event_on_cpu_stand_ins_returns_at_once():
+    """A CPU stream waiting on a CPU event: the event is complete once recorded, nothing waits."""
+    stream = CpuStream()
+    event = stream.record_event()
+    began = time.perf_counter()
+    streams.wait_event(stream, event)
+    streams.wait_event(streams.current_stream("cpu"), CpuEvent())  # never recorded: still done
+    assert time.perf_counter() - began < 0.5
+
+
+def test_wait_event_dispatches_on_stream_and_event_kind():
+    """A CPU stream blocks the host on a device event; a device stream waits on the device for a
+    device event and not at all for a CPU event (that work is already done)."""
+    # Stand-ins that pass as a torch.Event / torch.Stream (not the CPU ones) and record the
+    # calls, so the device branches run without an accelerator.
+    device_event = mock.Mock(spec=torch.Event)
+    streams.wait_event(CpuStream(), device_event)
+    device_event.synchronize.assert_called_once_with()
+    device_stream = mock.Mock(spec=torch.Stream)
+    streams.wait_event(device_stream, device_event)
+    device_stream.wait_event.assert_called_once_with(device_event)
+    device_event.synchronize.assert_called_once_with()  # the host did not block this time
+    streams.wait_event(device_stream, CpuEvent())
+    device_stream.wait_event.assert_called_once_with(device_event)
+
+
+@requires_cuda
+def test_wait_event_orders_current_stream_after_side_stream_copy():
+    """The current stream reads a buffer only after the side stream's copy into it finished."""
+    stream = streams.new_stream("cuda")
+    source = torch.ones(1 << 22, device="cuda").cumsum(0)
+    target = torch.empty_like(source)
+    streams.wait_event(streams.current_stream("cuda"), streams.copy_async(source, target, stream))
+    assert torch.equal(target.sum(), source.sum())

@@ -147,6 +147,23 @@ def new_event(device: torch.device | str | None = None, enable_timing: bool = Fa
     return event
 
 
+def wait_event(stream: Stream, event: Event) -> None:
+    """Make work issued to ``stream`` from now on wait until ``event`` has completed.
+
+    One call for every pairing this module hands out, so callers need not know which side is a
+    CPU stand-in: a device stream waits on the device (the host does not block); a
+    :class:`CpuEvent` is complete once recorded, so nothing waits; a :class:`CpuStream` runs work
+    in the caller at once, so waiting for a device event means blocking the host until it
+    completes.
+    """
+    if isinstance(event, CpuEvent):
+        return
+    if isinstance(stream, CpuStream):
+        event.synchronize()
+        return
+    stream.wait_event(event)
+
+
 def copy_async(src: torch.Tensor, dst: torch.Tensor, stream: Stream) -> Event:
     """Copy ``src`` into ``dst`` on ``stream`` and return an event recorded after the copy.
 
