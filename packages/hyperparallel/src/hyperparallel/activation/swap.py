@@ -104,9 +104,7 @@ class SwappedStorage:
             self._restored, self._restored_event = self.host, self._offloaded
             return
         stream = self.engine.stream(self.device)
-        # npu_core.streams types streams and events as device-or-CPU unions; past the CPU
-        # branch both are the device's own
-        stream.wait_event(self._offloaded)  # type: ignore[arg-type]
+        streams.wait_event(stream, self._offloaded)
         restored = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._restored_event = streams.copy_async(self.host, restored, stream)
         self._restored = restored
@@ -122,8 +120,7 @@ class SwappedStorage:
         self.prefetch()
         assert self._restored is not None and self._restored_event is not None
         if self.device.type != "cpu":
-            # device stream and event (see prefetch)
-            streams.current_stream(self.device).wait_event(self._restored_event)  # type: ignore[arg-type]
+            streams.wait_event(streams.current_stream(self.device), self._restored_event)
         out = torch.empty(0, dtype=like.dtype, device=self.device)
         out.set_(self._restored.untyped_storage(), like.offset, like.size, like.stride)
         return out
