@@ -2,21 +2,26 @@
 loss (within 1e-4), 20 steps within 1e-3 of FSDP's, and a checkpoint written with one layout
 resumes with another (DCP).
 
-One launch per layout returns all 20 losses. The model is the debug preset with 4 blocks (the
-fewest that give the V schedules a block per stage on pp=2). The learning rate warms up over
-all 20 steps (``optim.warmup_steps`` is 20), so a run's first k losses do not depend on its
-``steps`` and a short resumed run can be compared with the long reference.
+The trainings that share a rank set run one after another in one launch (one for the default
+checks, one for the slow 4-rank ones, one for 8 ranks); each returns all its losses. The model
+is the debug preset with 4 blocks (the fewest that give the V schedules a block per stage on
+pp=2). The learning rate warms up over all 20 steps (``optim.warmup_steps`` is 20), so a run's
+first k losses do not depend on its ``steps`` and a short resumed run can be compared with the
+long reference.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
-from hyperparallel.train.config import load_config
+from hyperparallel.train.config import TrainConfig, load_config
 from hyperparallel.train.presets import debug
-from hyperparallel.train.trainer import train_rank
+from hyperparallel.train.trainer import TrainResult, train_rank
 from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed
@@ -27,35 +32,118 @@ BASE = ["model.n_layers=4", "data.global_batch_size=8", "optim.ns_dtype='fp32'",
 STEPS = 20
 
 
-def _run(out, mesh: str, *overrides: str, resume: bool = False, nproc: int = 4):
-    cfg = load_config(
+def _config(out, mesh: str, *overrides: str) -> TrainConfig:
+    return load_config(
         debug(), overrides=[f"out_dir={str(out)!r}", f"parallel.mesh={mesh!r}", *BASE, *overrides]
     )
-    return launch(train_rank, nproc, cfg, resume, backend=None, timeout=600)[0]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One training in a launch: its config, whether it resumes, and optionally a checkpoint to
+    copy into its out_dir first (``(source run folder, step folder name)``)."""
+
+    cfg: TrainConfig
+    resume: bool = False
+    seed_checkpoint: tuple[Path, str] | None = None
+
+
+def _train_in_sequence(jobs: list[_Job]) -> list[TrainResult]:
+    """Every job in order on the same ranks and process group: one launch (process start-up and
+    process-group set-up once) instead of one per training. Rank 0 copies seed checkpoints."""
+    results = []
+    for job in jobs:
+        if job.seed_checkpoint is not None and dist.is_initialized():
+            if dist.get_rank() == 0:
+                source, step = job.seed_checkpoint
+                target = Path(job.cfg.out_dir) / "checkpoints"
+                shutil.copytree(source / "checkpoints" / step, target / step)
+                (target / "latest").write_text(step)
+            dist.barrier()
+        results.append(train_rank(job.cfg, job.resume))
+    return results
+
+
+def _launch(jobs: list[_Job], nproc: int = 4) -> list[TrainResult]:
+    """Rank 0's result of each job."""
+    return launch(_train_in_sequence, nproc, jobs, backend=None, timeout=900)[0]
+
+
+FSDP = "fsdp"
+STEP10 = "step_0000010"
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
+def fsdp_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fsdp")
+
+
+def _fsdp_job(folder: Path) -> _Job:
     """The reference: 4 FSDP ranks, 20 steps, checkpoints at steps 10 and 20."""
-    out = tmp_path_factory.mktemp("fsdp")
-    return out, _run(out, "fsdp", f"steps={STEPS}", "checkpoint_every=10").train_losses
+    return _Job(_config(folder, FSDP, f"steps={STEPS}", "checkpoint_every=10"))
 
 
-LAYOUTS = [
-    pytest.param("pp=2,dp_shard=2", "1f1b", id="pp-1f1b"),
-    pytest.param("ep=2,dp_shard=2", "1f1b", id="ep"),
-    pytest.param("2x2", "1f1b", id="hsdp-alias", marks=pytest.mark.slow),
-    pytest.param("ep=4", "1f1b", id="ep4", marks=pytest.mark.slow),
-    pytest.param("pp=2,ep=2", "1f1b", id="pp-ep", marks=pytest.mark.slow),
-    pytest.param(
-        "pp=2,dp_shard=2", "interleaved_1f1b", id="pp-interleaved", marks=pytest.mark.slow
-    ),
-    pytest.param("pp=2,dp_shard=2", "dualpipev", id="pp-dualpipev", marks=pytest.mark.slow),
-]
+def _layout_job(out: Path, mesh: str, schedule: str) -> _Job:
+    return _Job(_config(out, mesh, f"steps={STEPS}", f"parallel.pp_schedule={schedule!r}"))
 
 
-@pytest.mark.parametrize(("mesh", "schedule"), LAYOUTS)
-def test_layout_losses_track_fsdp(fsdp_run, tmp_path, mesh, schedule):
+def _resume_job(out: Path, mesh: str, fsdp: Path) -> _Job:
+    """The FSDP run's step-10 checkpoint resumed with ``mesh`` for 2 steps."""
+    return _Job(_config(out, mesh, "steps=12"), resume=True, seed_checkpoint=(fsdp, STEP10))
+
+
+# (mesh, schedule); the default run trains the first two, the slow-marked tests the rest.
+DEFAULT_LAYOUTS = {"pp-1f1b": ("pp=2,dp_shard=2", "1f1b"), "ep": ("ep=2,dp_shard=2", "1f1b")}
+SLOW_LAYOUTS = {
+    "hsdp-alias": ("2x2", "1f1b"),
+    "ep4": ("ep=4", "1f1b"),
+    "pp-ep": ("pp=2,ep=2", "1f1b"),
+    "pp-interleaved": ("pp=2,dp_shard=2", "interleaved_1f1b"),
+    "pp-dualpipev": ("pp=2,dp_shard=2", "dualpipev"),
+}
+DEFAULT_RESUMES = {"to-pp": "pp=2,dp_shard=2"}
+SLOW_RESUMES = {"to-ep": "ep=2,dp_shard=2", "to-pp-ep": "pp=2,ep=2"}
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory, fsdp_folder) -> dict[str, TrainResult]:
+    """One 4-rank launch: the FSDP reference, then the default layouts, then the default
+    resume from the reference's step-10 checkpoint (keyed by test id; "fsdp" the reference)."""
+    root = tmp_path_factory.mktemp("default")
+    jobs = {"fsdp": _fsdp_job(fsdp_folder)}
+    jobs |= {key: _layout_job(root / key, *layout) for key, layout in DEFAULT_LAYOUTS.items()}
+    jobs |= {key: _resume_job(root / key, m, fsdp_folder) for key, m in DEFAULT_RESUMES.items()}
+    return dict(zip(jobs, _launch(list(jobs.values())), strict=True))
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory, fsdp_folder, default_runs) -> dict[str, TrainResult]:
+    """One 4-rank launch for every slow-marked 4-rank check (after the reference exists): the
+    other layouts, the other resumes, and ep=2 -> ep=4 (4 steps of ep=2; 2 steps of ep=2,
+    resumed with ep=4 to step 4)."""
+    root = tmp_path_factory.mktemp("slow")
+    jobs = {key: _layout_job(root / key, *layout) for key, layout in SLOW_LAYOUTS.items()}
+    jobs |= {key: _resume_job(root / key, m, fsdp_folder) for key, m in SLOW_RESUMES.items()}
+    jobs["ep2-full"] = _Job(_config(root / "full", "ep=2,dp_shard=2", "steps=4"))
+    jobs["ep2-part"] = _Job(_config(root / "part", "ep=2,dp_shard=2", "steps=2"))
+    jobs["ep4-rest"] = _Job(_config(root / "part", "ep=4", "steps=4"), resume=True)
+    return dict(zip(jobs, _launch(list(jobs.values())), strict=True))
+
+
+def _runs(request: pytest.FixtureRequest, key: str) -> dict[str, TrainResult]:
+    """The launch that trained ``key``: the slow one is started only by slow tests."""
+    default = key in DEFAULT_LAYOUTS or key in DEFAULT_RESUMES
+    return request.getfixturevalue("default_runs" if default else "slow_runs")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        *DEFAULT_LAYOUTS,
+        *(pytest.param(key, marks=pytest.mark.slow) for key in SLOW_LAYOUTS),
+    ],
+)
+def test_layout_losses_track_fsdp(request, default_runs, key):
     """Same seed, same global batch: the first loss equals FSDP's within 1e-4 (same weights,
     same samples), and each of 20 steps stays within 1e-3 (the layouts' gradients, reduced in
     other orders and with the balance loss taken per micro-batch under PP, feed Muon and AdamW
@@ -64,55 +152,45 @@ def test_layout_losses_track_fsdp(fsdp_run, tmp_path, mesh, schedule):
     dualpipev used to be 4e-4 off at the second step: torch's split input/weight backward gave
     the last stage's block wrong weight gradients (see ``parallel.pipeline``); it now matches
     as closely as 1f1b."""
-    _, reference = fsdp_run
-    losses = _run(
-        tmp_path, mesh, f"steps={STEPS}", f"parallel.pp_schedule={schedule!r}"
-    ).train_losses
+    reference = default_runs["fsdp"].train_losses
+    losses = _runs(request, key)[key].train_losses
     assert len(losses) == STEPS
     assert losses[0] == pytest.approx(reference[0], abs=1e-4)
     worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
-    assert worst < 1e-3, f"{mesh} {schedule}: largest gap to FSDP over {STEPS} steps {worst:.2e}"
+    assert worst < 1e-3, f"{key}: largest gap to FSDP over {STEPS} steps {worst:.2e}"
 
 
 @pytest.mark.slow
-def test_eight_rank_layout_losses_track_fsdp(fsdp_run, tmp_path):
+def test_eight_rank_layout_losses_track_fsdp(default_runs, tmp_path):
     """8 ranks, ``pp=2,ep=2,dp_shard=2`` (1f1b, 2 micro-batches of the 2 samples per
     data-parallel rank): the first loss equals the 4-rank FSDP run's within 1e-4, 20 steps
     within 1e-3 (same global batch of 8, so the same samples)."""
-    _, reference = fsdp_run
-    losses = _run(
-        tmp_path, "pp=2,ep=2,dp_shard=2", f"steps={STEPS}", "parallel.microbatches=2", nproc=8
-    ).train_losses
+    reference = default_runs["fsdp"].train_losses
+    job = _Job(
+        _config(tmp_path, "pp=2,ep=2,dp_shard=2", f"steps={STEPS}", "parallel.microbatches=2")
+    )
+    losses = _launch([job], nproc=8)[0].train_losses
     assert losses[0] == pytest.approx(reference[0], abs=1e-4)
     worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
     assert worst < 1e-3, f"largest gap to FSDP over {STEPS} steps {worst:.2e}"
 
 
 @pytest.mark.parametrize(
-    "mesh",
-    [
-        pytest.param("pp=2,dp_shard=2", id="to-pp"),
-        pytest.param("ep=2,dp_shard=2", id="to-ep", marks=pytest.mark.slow),
-        pytest.param("pp=2,ep=2", id="to-pp-ep", marks=pytest.mark.slow),
-    ],
+    "key", [*DEFAULT_RESUMES, *(pytest.param(key, marks=pytest.mark.slow) for key in SLOW_RESUMES)]
 )
-def test_fsdp_checkpoint_resumes_with_another_layout(fsdp_run, tmp_path, mesh):
+def test_fsdp_checkpoint_resumes_with_another_layout(request, default_runs, key):
     """The FSDP run's step-10 checkpoint, loaded into another layout (DCP reshards by name and
     offset), continues with the uninterrupted FSDP run's losses."""
-    out, reference = fsdp_run
-    step10 = "step_0000010"
-    shutil.copytree(out / "checkpoints" / step10, tmp_path / "checkpoints" / step10)
-    (tmp_path / "checkpoints" / "latest").write_text(step10)
-    rest = _run(tmp_path, mesh, "steps=12", resume=True)
+    reference = default_runs["fsdp"].train_losses
+    rest = _runs(request, key)[key]
     assert rest.first_step == 10
     assert rest.train_losses == pytest.approx(reference[10:12], abs=1e-4)
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_resumes_with_more_expert_ranks(tmp_path):
+def test_expert_parallel_checkpoint_resumes_with_more_expert_ranks(slow_runs):
     """ep=2 -> ep=4: experts stored on 2 ranks each reload spread over 4 and the loss continues
     as the uninterrupted ep=2 run."""
-    full = _run(tmp_path / "full", "ep=2,dp_shard=2", "steps=4").train_losses
-    _run(tmp_path / "part", "ep=2,dp_shard=2", "steps=2")
-    rest = _run(tmp_path / "part", "ep=4", "steps=4", resume=True)
-    assert rest.train_losses == pytest.approx(full[2:], abs=1e-4)
+    full = slow_runs["ep2-full"].train_losses
+    assert slow_runs["ep4-rest"].first_step == 2
+    assert slow_runs["ep4-rest"].train_losses == pytest.approx(full[2:], abs=1e-4)
