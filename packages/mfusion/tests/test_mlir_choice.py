@@ -139,6 +139,23 @@ def test_slower_whole_graph_puts_the_regions_back_and_caches_that(harness, decis
     assert outlined == 0 and record.whole_graph.endswith("(ratio 1.500, cache)")
 
 
+def test_graph_that_fails_to_compile_keeps_inductors_form(harness, decisions, monkeypatch):
+    """If the whole graph cannot be compiled or run standalone, nothing is measured, nothing is
+    cached, and the regions go back: the form known not to lose to Inductor."""
+
+    def broken(gm, inputs):
+        raise AssertionError("packed_w must be a graph constant")
+
+    monkeypatch.setattr(choice, "graph_kernel", broken)
+    with choice.use_timer(FixedTimer(1e-6, 2e-6)):
+        gm, outlined, record = _fuse(harness)
+    assert outlined == 0 and harness.count(gm, REGION_OP) == 0
+    assert record.whole_graph.startswith("regions put back: the graph did not compile or run")
+    assert "packed_w must be a graph constant" in record.whole_graph
+    assert not list(decisions.glob("graph-*.json"))
+    torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-6, rtol=1e-6)
+
+
 def test_whole_graph_check_needs_static_tensor_inputs(harness):
     static = harness.trace(softmax_gelu, *ARGS)
     assert choice.static_inputs_refusal(static) is None
