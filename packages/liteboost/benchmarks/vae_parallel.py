@@ -13,6 +13,16 @@ ratio is the estimate of the speed-up with one free core per rank; it leaves out
 waiting for halos and the final gather, so it is an upper bound.
 
     python packages/liteboost/benchmarks/vae_parallel.py --out DIR [--latent 30x52] [--frames 1]
+
+``--slab-estimate`` measures, in one process on one thread, what the spatial mode's busiest rank
+computes, without running ranks: the decode of its latent row slab plus one latent halo row on
+each inner side (more than the exact halo: one row at every convolution's own resolution), plus
+the replicated middle block's share of the rest of the frame (``spatial_plan``'s
+``replicated_share``). Halo and gather communication are left out. It stands in for the
+per-rank compute on a free core where the machine has fewer free cores than ranks (4 ranks on 2
+shared cores inflate every rank's CPU time by cache and scheduler contention).
+
+    python packages/liteboost/benchmarks/vae_parallel.py --out DIR --slab-estimate [--rounds 2]
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from liteboost.parallel.vae_dp import choose_decode_mode, parallel_decode
+from liteboost.parallel.vae_spatial import plan_rows, spatial_plan
 from npu_core.bench import BenchTable
 from npu_core.dist import launch
 
@@ -75,6 +86,65 @@ def _rank(shape: tuple[int, ...], modes: list[str], reference: torch.Tensor | No
     return result
 
 
+@torch.no_grad()
+def slab_estimate(shape: tuple[int, ...], worlds: list[int], rounds: int) -> BenchTable:
+    """Single-thread decode of the whole latent and of each layout's busiest slab (see above)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**WAN21_VAE).eval()
+    plan = spatial_plan(vae)
+    if plan is None:
+        raise SystemExit("the decoder has no spatial plan")
+    rows = shape[3]
+    z = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    slabs = {}
+    for world in worlds:
+        spans = plan_rows(rows, world)
+        # The busiest rank: the most rows, plus a halo row on each side that has a neighbour.
+        slabs[world] = max(
+            (stop - start + (start > 0) + (stop < rows), max(0, start - 1), min(rows, stop + 1))
+            for start, stop in spans
+        )
+    times: dict[str, list[float]] = {"whole": []} | {str(w): [] for w in worlds}
+    for _ in range(rounds):
+        for name in times:
+            part = z if name == "whole" else z[..., slabs[int(name)][1] : slabs[int(name)][2], :]
+            start = time.thread_time()
+            vae.decode(part)
+            times[name].append(time.thread_time() - start)
+    whole = min(times["whole"])
+    table = BenchTable(
+        f"VAE spatial decode, busiest rank's compute estimated in one process, latent "
+        f"{shape[2]}x{rows}x{shape[4]}, one thread",
+        ["ranks", "slab_rows", "whole_s", "slab_s", "replicated_s", "rank_s", "speedup"],
+        {
+            "vae": WAN21_VAE,
+            "rounds": rounds,
+            "replicated_share": plan.replicated_share,
+            "slab_s": "min over rounds: decode of the slab (rows incl. a halo row per inner side)",
+            "replicated_s": "replicated_share x whole_s x (1 - slab_rows / rows): the middle "
+            "block of the rest of the frame, which every rank also runs",
+            "rank_s": "slab_s + replicated_s; speedup = whole_s / rank_s",
+        },
+    )
+    for world in worlds:
+        slab_rows = slabs[world][0]
+        slab = min(times[str(world)])
+        replicated = plan.replicated_share * whole * max(0.0, 1 - slab_rows / rows)
+        table.add(
+            ranks=world,
+            slab_rows=slab_rows,
+            whole_s=whole,
+            slab_s=slab,
+            replicated_s=replicated,
+            rank_s=slab + replicated,
+            speedup=whole / (slab + replicated),
+        )
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for vae_parallel.{json,md}")
@@ -82,9 +152,16 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=1, help="latent frames")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--modes", default="spatial,temporal")
+    parser.add_argument("--slab-estimate", action="store_true", help="see the module docstring")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of --slab-estimate")
     args = parser.parse_args()
     rows, cols = (int(v) for v in args.latent.split("x"))
     shape = (1, WAN21_VAE["z_dim"], args.frames, rows, cols)
+    if args.slab_estimate:
+        estimate = slab_estimate(shape, [int(w) for w in args.ranks.split(",")], args.rounds)
+        print(estimate.to_markdown())
+        estimate.write(args.out, "vae_slab_estimate")
+        return
     modes = args.modes.split(",")
     table = BenchTable(
         f"VAE decode, Wan2.1-VAE-shaped decoder, latent {args.frames}x{rows}x{cols}, "

@@ -106,3 +106,28 @@ def test_rotation_uses_no_complex_tensors():
     with Watch():
         apply_rope(x, tables.pair_cos, tables.pair_sin)
     assert seen == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_loop_equals_torch_form_which_runs_under_autograd(dtype):
+    """The eager CPU rotation is the C++ loop where it builds; under autograd the torch form runs
+    (the loop has no backward). Both compute in fp32 and round once: equal to float rounding."""
+    from liteboost.ops.fused_cpu import load_cpu_kernel
+    from liteboost.ops.rope import _cpu_kernel
+
+    tables = rope_tables(12, (3, 4, 4))
+    x = torch.randn(2, 48, 2, 12).to(dtype)
+    if load_cpu_kernel() is not None:
+        assert _cpu_kernel(x, tables.pair_cos, tables.pair_sin) is not None
+    fast = apply_rope(x, tables.pair_cos, tables.pair_sin)
+    leaf = x.float().requires_grad_()
+    graded = leaf.to(dtype)
+    slow = apply_rope(graded, tables.pair_cos, tables.pair_sin)
+    assert slow.requires_grad and fast.dtype == slow.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fast, slow.detach(), atol=tolerance, rtol=tolerance)
+    assert (fast != slow.detach()).float().mean() < 0.02
+    slow.float().sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    # Tables of another shape than [S, 1, D/2] (here broadcast over tokens) take the torch form.
+    assert _cpu_kernel(x, tables.pair_cos[:1], tables.pair_sin[:1]) is None
