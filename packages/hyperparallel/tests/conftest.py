@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from packages.hyperparallel.tests.tiny_hf import TINY_HF_SHAPE
+
 
 @pytest.fixture
 def snapshot() -> Callable[[Path], dict[Path, bytes]]:
@@ -32,18 +34,6 @@ def earlier_run(snapshot) -> Callable[[Path], dict[Path, bytes]]:
         return snapshot(folder)
 
     return make
-
-
-TINY_HF_SHAPE = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-}
 
 
 @pytest.fixture

@@ -20,45 +20,9 @@ from hyperparallel.optim.hybrid import get_hyper_optimizer
 from hyperparallel.parallel.dims import parse_mesh
 from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel, expert_modules
 from npu_core.dist import launch
+from packages.hyperparallel.tests.tiny_hf import FAMILIES, MORE_MOE_FAMILIES
 
-FAMILIES = {
-    "moe": (
-        "Qwen3MoeConfig",
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
-    ),
-    "mla-moe": (
-        "DeepseekV3Config",
-        {
-            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-            "moe_intermediate_size": 16, "first_k_dense_replace": 1, "n_shared_experts": 1,
-            "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
-            "v_head_dim": 8, "head_dim": 4,
-        },
-    ),
-    "gpt-oss": (  # expert biases: [E, N] stacks sharded with the weights, stepped by AdamW
-        "GptOssConfig",
-        {"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["full_attention"] * 2},
-    ),
-}  # fmt: skip
-MORE_FAMILIES = {  # the other registered MoE families: same experts contract, checked slow
-    "glm-4.5": (
-        "Glm4MoeConfig",
-        {
-            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
-        },
-    ),
-    "minimax-m2": ("MiniMaxM2Config", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3-next": (
-        "Qwen3NextConfig",
-        {
-            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-            "shared_expert_intermediate_size": 16, "linear_num_value_heads": 2,
-            "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-            "linear_conv_kernel_dim": 4, "layer_types": ["linear_attention", "full_attention"],
-        },
-    ),
-}  # fmt: skip
+EP_FAMILIES = ("moe", "mla-moe", "gpt-oss")  # MoE, MLA + MoE, expert biases
 MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
 AUX_WEIGHT = 0.01
@@ -66,7 +30,7 @@ ROWS = 4  # global batch: 4 sequences of 16 tokens, split over the data-parallel
 
 
 def _wrapped(shape: dict, family: str) -> CausalLM:
-    config_cls, extra = {**FAMILIES, **MORE_FAMILIES}[family]
+    config_cls, extra = {**FAMILIES, **MORE_MOE_FAMILIES}[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**shape, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -89,7 +53,7 @@ def _full(t: Tensor | None) -> Tensor | None:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _ep_step(shape: dict, mesh: str, families: tuple[str, ...] = tuple(FAMILIES)) -> dict:
+def _ep_step(shape: dict, mesh: str, families: tuple[str, ...] = EP_FAMILIES) -> dict:
     """Per family: EP on the experts + FSDP2 on the rest, one step on this rank's share of the
     global batch: (mean loss, gathered grads, gathered params after the step, experts stored)."""
     meshes = parse_mesh(mesh, dist.get_world_size()).build("cpu")
@@ -166,7 +130,7 @@ def test_ep_step_equals_single_process_and_torch_optimizers(
     torch.optim.Muon (each expert its own matrix) and torch.optim.AdamW on the gathered
     tensors; each rank stores E / (ep x dp_shard) experts."""
     results = [steps for steps, _ in _launched(tiny_hf_shape, mesh, world)]
-    for family in FAMILIES:
+    for family in EP_FAMILIES:
         want_loss, want_grads = _single_process(tiny_hf_shape, family, world)
         model = _wrapped(tiny_hf_shape, family)
         for rank_results in results:
@@ -186,8 +150,8 @@ def test_ep_step_equals_single_process_and_torch_optimizers(
 def test_ep_other_moe_families_equal_single_process(tiny_hf_shape: dict):
     """GLM-4.5, MiniMax-M2 and Qwen3-Next (linear attention + MoE) under ep=2: the first-step
     loss within 1e-4 of the single-process library loss and every gradient equal."""
-    results = launch(_ep_step, 2, tiny_hf_shape, "ep=2", tuple(MORE_FAMILIES), timeout=280)
-    for family in MORE_FAMILIES:
+    results = launch(_ep_step, 2, tiny_hf_shape, "ep=2", tuple(MORE_MOE_FAMILIES), timeout=280)
+    for family in MORE_MOE_FAMILIES:
         want_loss, want_grads = _single_process(tiny_hf_shape, family, 2)
         for rank_results in results:
             loss, grads, _, stored = rank_results[family]

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 import transformers
 
 from hyperparallel.models.hf import CausalLM, build_causal_lm
+from packages.hyperparallel.tests.tiny_hf import QWEN3_MOE
 
-MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+MOE = QWEN3_MOE
 
 
 def _model(shape: dict, config_cls: str, **extra) -> torch.nn.Module:

@@ -13,23 +13,9 @@ from torch.distributed.fsdp import fully_shard
 from hyperparallel.models.hf import CausalLM
 from hyperparallel.optim.hybrid import get_hyper_optimizer
 from npu_core.dist import launch
+from packages.hyperparallel.tests.tiny_hf import FAMILIES, TINY_HF_SHAPE
 
-FAMILIES = {
-    "dense": ("Qwen3Config", {}),
-    "moe": (
-        "Qwen3MoeConfig",
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
-    ),
-    "mla-moe": (
-        "DeepseekV3Config",
-        {
-            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-            "moe_intermediate_size": 16, "first_k_dense_replace": 1, "n_shared_experts": 1,
-            "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
-            "v_head_dim": 8, "head_dim": 4,  # MLA: RoPE on qk_rope_head_dim
-        },
-    ),
-}  # fmt: skip
+FSDP_FAMILIES = ("dense", "moe", "mla-moe")
 MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
 AUX_WEIGHT = 0.01
@@ -86,13 +72,25 @@ def _single_process(shape: dict, family: str) -> tuple[float, dict[str, torch.Te
     return full_ce.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _fsdp_steps(shape: dict, families: tuple[str, ...]) -> dict[str, tuple]:
+    """:func:`_fsdp_step` for each family in turn, on the same two ranks."""
+    return {family: _fsdp_step(shape, family) for family in families}
+
+
+@pytest.fixture(scope="module")
+def fsdp_results() -> list[dict[str, tuple]]:
+    """Every family's FSDP2 step in one launch of 2 ranks (each rank's results)."""
+    return launch(_fsdp_steps, 2, dict(TINY_HF_SHAPE), FSDP_FAMILIES, timeout=300)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", FSDP_FAMILIES)
 def test_fsdp2_step_equals_single_process_and_torch_optimizers(
-    family: str, tiny_hf_shape: dict, torch_optimizer_step
+    family: str, tiny_hf_shape: dict, torch_optimizer_step, fsdp_results
 ):
+    assert tiny_hf_shape == TINY_HF_SHAPE  # the launch's shape
     want_loss, want_grads = _single_process(tiny_hf_shape, family)
-    results = launch(_fsdp_step, 2, tiny_hf_shape, family, timeout=240)
+    results = [per_rank[family] for per_rank in fsdp_results]
     for loss, grads, params in results:
         # same model, same global batch: the first-step loss and gradients of 2 ranks
         assert abs(loss - want_loss) < 1e-4

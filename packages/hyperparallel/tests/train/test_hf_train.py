@@ -19,8 +19,9 @@ from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.data.tokens import encode, load_text
 from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
+from packages.hyperparallel.tests.tiny_hf import QWEN3_MOE, TINY_HF_SHAPE
 
-MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+MOE = QWEN3_MOE
 STEPS = 8
 
 
@@ -55,17 +56,7 @@ def _train(model: Path, out: Path, *extra: str, steps: int = STEPS) -> list[floa
 def tiny_moe(tmp_path_factory) -> Path:
     """A Qwen3-MoE config.json (no weights, no tokenizer: random weights, bytes)."""
     folder = tmp_path_factory.mktemp("qwen3-moe")
-    shape = {
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 64,
-    }
-    transformers.Qwen3MoeConfig(**shape, **MOE).save_pretrained(folder)
+    transformers.Qwen3MoeConfig(**TINY_HF_SHAPE, **MOE).save_pretrained(folder)
     return folder / "config.json"
 
 
