@@ -110,8 +110,9 @@ def test_rotation_uses_no_complex_tensors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_loop_equals_torch_form_which_runs_under_autograd(dtype):
-    """The eager CPU rotation is the C++ loop where it builds; under autograd the torch form runs
-    (the loop has no backward). Both compute in fp32 and round once: equal to float rounding."""
+    """The eager CPU rotation is the C++ loop where it builds; under autograd the functional
+    torch form runs (the loop has no backward, and the in-place form's out= writes refuse
+    autograd). Both compute in fp32 and round once: equal to float rounding."""
     from liteboost.ops.fused_cpu import load_cpu_kernel
     from liteboost.ops.rope import _cpu_kernel
 
@@ -126,7 +127,8 @@ def test_cpu_loop_equals_torch_form_which_runs_under_autograd(dtype):
     assert slow.requires_grad and fast.dtype == slow.dtype == dtype
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(fast, slow.detach(), atol=tolerance, rtol=tolerance)
-    assert (fast != slow.detach()).float().mean() < 0.02
+    if dtype == torch.bfloat16:  # one rounding each: bf16 values rarely differ at all
+        assert (fast != slow.detach()).float().mean() < 0.02
     slow.float().sum().backward()
     assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
     # Tables of another shape than [S, 1, D/2] (here broadcast over tokens) take the torch form.

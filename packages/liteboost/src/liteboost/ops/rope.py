@@ -155,8 +155,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Returns:
         ``(x1 cos - x2 sin, x1 sin + x2 cos)`` interleaved again, dtype of ``x``.
     """
-    if torch.compiler.is_compiling():
-        # Inductor fuses this into one loop; the functional form keeps the graph simple.
+    if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+        # Inductor fuses this into one loop; the functional form keeps the graph simple. Under
+        # autograd it is the differentiable form (the in-place one below writes through out=).
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
         out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return out.flatten(-2).type_as(x)
@@ -165,7 +166,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         # One pass in C++ (fp32 arithmetic, one rounding to x's dtype): eager torch needs several
         # passes and, for bf16, a conversion, which kept it at 1.3-1.5x diffusers in bf16.
         return kernel.rope_rotate(x, cos, sin)
-    # Eager elsewhere (no compiler, autograd, other devices): write both halves of an fp32
+    # Eager elsewhere (no compiler, other devices): write both halves of an fp32
     # output in place, four passes over half-size views and no temporaries; bf16/fp16 inputs
     # are promoted inside each op instead of copied first (on CPU the stacked form measured no
     # faster than diffusers', this about 2-3x in fp32; benchmarks/rope.py).
