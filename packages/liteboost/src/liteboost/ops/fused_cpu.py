@@ -7,7 +7,8 @@ covers flags, source and torch version (:func:`build_name`). It is forward-only 
 dtypes are computed in fp32, and when autograd records, or where no C++ toolchain is available
 (logged once), the block-gather kernel runs instead. Key blocks that every query row keeps are
 left to one dense SDPA call over all queries and merged through the kernel's log-sum-exp, as in
-``block_gather``.
+``block_gather``. The same extension holds the eager CPU RoPE loop (``rope_rotate``, used by
+:func:`liteboost.ops.rope.apply_rope`), so one build per machine serves both.
 """
 
 from __future__ import annotations
