@@ -268,3 +268,51 @@ def test_training_gradients_match_eager():
         torch.testing.assert_close(param.grad, grad, atol=1e-4, rtol=1e-4)
     assert len(mfusion.report()) == 2  # forward and backward graph
     assert mfusion.report()[0].rewritten("rmsnorm") == 1
+
+
+class _FixedTimer:
+    """Runs both calls once (they must work) and reports fixed per-call times."""
+
+    def __init__(self, first_s: float, second_s: float) -> None:
+        self.times = (first_s, second_s)
+
+    def __call__(self, first, second):
+        first()
+        second()
+        return self.times
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_mlir_cpu_whole_graph_check_inside_a_real_compile(train, tmp_path, monkeypatch):
+    """The measured choice inside torch.compile, forward and (training) backward graph: each
+    graph with an outlined region is compiled again standalone with and without it (nested in
+    Inductor's own compile, FX graph cache and Triton bundling active) and the verdict is
+    recorded; results equal eager. Times are injected: regions and graphs "faster" with MLIR."""
+    from mfusion.mlir import choice
+
+    monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MFUSION_MLIR_CHOICE", raising=False)
+
+    def fn(x, w):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        return torch.sigmoid(y) @ w.unsqueeze(1)
+
+    x, w = torch.randn(16, 32, requires_grad=train), torch.randn(32, requires_grad=train)
+    torch._dynamo.reset()
+    with mfusion.enabled(backend="mlir-cpu"), choice.use_timer(_FixedTimer(1e-6, 2e-6)):
+        out = torch.compile(fn)(x, w)
+        if train:
+            out.sum().backward()
+    xe, we = x.detach().requires_grad_(train), w.detach().requires_grad_(train)
+    expected = fn(xe, we)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    if train:
+        expected.sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(w.grad, we.grad, atol=1e-4, rtol=1e-4)
+    checked = [g for g in mfusion.report() if g.whole_graph]
+    assert len(checked) == (2 if train else 1), str(mfusion.report())
+    for graph in checked:
+        assert graph.whole_graph.startswith("regions kept: with regions 0.001 ms"), str(graph)
+        assert graph.ops_after["mfusion.mlir_region.default"] >= 1

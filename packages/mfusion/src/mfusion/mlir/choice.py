@@ -295,7 +295,14 @@ def graph_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
     )
     with (
         tracing(TracingContext(fake_mode)),
-        inductor_config.patch(post_grad_custom_post_pass=None),
+        # Nested inside the outer compile, whose FX-graph-cache entry and Triton bundle are
+        # open: this compile neither reads nor writes those caches (a second bundle cannot
+        # begin while the outer one is active).
+        inductor_config.patch(
+            post_grad_custom_post_pass=None,
+            fx_graph_cache=False,
+            bundle_triton_into_fx_graph_cache=False,
+        ),
     ):
         # compiled for the placeholders' fake values (as the outer compile is), run on inputs
         fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
