@@ -260,9 +260,7 @@ def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
     with (
         unset_fake_temporarily(),
         tracing(TracingContext(None)),
-        # freezing off: a whole graph's constants are already get_attr nodes (the outer
-        # compile froze them), and the region is compiled as it stands
-        inductor_config.patch(post_grad_custom_post_pass=None, freezing=False),
+        inductor_config.patch(post_grad_custom_post_pass=None),
     ):
         example: list[torch.Tensor | int | torch.SymInt | None] = list(inputs)
         compiled: Any = torch._inductor.compile(region, example)
