@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
 from hyperparallel.cli import app
 from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.data.tokens import encode, load_text
+from hyperparallel.train import hf_model
 from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
 from packages.hyperparallel.tests.tiny_hf import QWEN3_MOE, TINY_HF_SHAPE
@@ -97,6 +99,35 @@ def test_first_step_loss_equals_the_single_process_library_forward(tiny_moe: Pat
         logits = model(input_ids=inputs).logits
     want = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
     assert abs(losses[0] - want) < 1e-4
+
+
+def test_training_batches_come_from_the_model_folders_tokenizer(tmp_path: Path):
+    """A model folder with tokenizer files: the job's windows are that tokenizer's ids (checked
+    against the tokenizers library itself), not bytes; ``--tokenizer bytes`` goes back to bytes."""
+    folder = tmp_path / "model"
+    transformers.Qwen3MoeConfig(**TINY_HF_SHAPE, **MOE).save_pretrained(folder)
+    corpus = "the quick brown fox jumps over the lazy dog and runs far away " * 300
+    (tmp_path / "corpus.txt").write_text(corpus)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([corpus], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.save_pretrained(folder)
+    overrides = [f"hf.source={str(folder)!r}", f"data.path={str(tmp_path / 'corpus.txt')!r}"]
+
+    cfg = load_config(debug(), overrides=overrides)
+    model = hf_model.resolve(cfg)
+    assert model.tokenizer == folder
+    inputs, targets = hf_model.batches(cfg, model).train_batch(0, 0, cfg.data.batch_size)
+    reference = tok.encode(corpus).ids
+    assert int(inputs.max()) < tok.get_vocab_size() <= 16  # bytes map to larger ids
+    window = inputs[0].tolist()
+    starts = [i for i in range(len(reference) - len(window)) if reference[i] == window[0]]
+    assert any(reference[i : i + len(window)] == window for i in starts), window
+    assert inputs[0, 1:].tolist() == targets[0, :-1].tolist()
+
+    as_bytes = load_config(debug(), overrides=[*overrides, "hf.tokenizer='bytes'"])
+    assert hf_model.resolve(as_bytes).tokenizer is None
 
 
 @pytest.mark.distributed
