@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from liteboost.ops import tiling
-from liteboost.ops.fused_cpu import load_cpu_kernel
+from liteboost.ops.cpu_extension import load_cpu_kernel
 from liteboost.ops.sparse_attention import sparse_attention
 from liteboost.parallel.ring import RingAttention, tiled_chunk
 from npu_core.bench import BenchTable, Timing

@@ -16,7 +16,7 @@ import argparse
 import torch
 from sparse_attention import attention_case, interleaved_rounds  # the sibling benchmark
 
-from liteboost.ops.fused_cpu import load_cpu_kernel
+from liteboost.ops.cpu_extension import load_cpu_kernel
 from liteboost.ops.rain_fusion import rain_fusion_attention
 from liteboost.ops.sparse_attention import plan_sparse_attention
 from liteboost.ops.tiling import reorder, restore

@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 import liteboost
-from liteboost.ops.fused_cpu import load_cpu_kernel
+from liteboost.ops.cpu_extension import load_cpu_kernel
 from npu_core.bench import BenchTable, Timing
 
 WAN_1_3B = dict(

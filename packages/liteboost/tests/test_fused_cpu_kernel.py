@@ -7,12 +7,8 @@ import torch
 
 from liteboost.ops import rain_fusion_attention, sparse_attention
 from liteboost.ops.blocks import block_shape
-from liteboost.ops.fused_cpu import (
-    build_config,
-    build_name,
-    fused_cpu_block_sparse_attention,
-    load_cpu_kernel,
-)
+from liteboost.ops.cpu_extension import build_config, build_name, load_cpu_kernel
+from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention
 from liteboost.ops.rain_fusion import SparseKernel, default_kernel
 from liteboost.ops.reference import reference_block_sparse_attention
 

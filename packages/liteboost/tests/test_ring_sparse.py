@@ -105,7 +105,8 @@ def test_fused_kernel_with_lse_equals_gather_with_lse(qkv_factory):
     """The fused kernel's (out, lse), shared blocks merged in, equal block gather's, including
     query blocks that keep nothing in this chunk (lse very negative, output zero)."""
     from liteboost.ops.block_gather import block_sparse_attention_with_lse
-    from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention_with_lse, load_cpu_kernel
+    from liteboost.ops.cpu_extension import load_cpu_kernel
+    from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention_with_lse
 
     if load_cpu_kernel() is None:
         pytest.skip("no C++ toolchain: the fused kernel falls back to block gather")

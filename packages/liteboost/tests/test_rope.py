@@ -113,7 +113,7 @@ def test_cpu_loop_equals_torch_form_which_runs_under_autograd(dtype):
     """The eager CPU rotation is the C++ loop where it builds; under autograd the functional
     torch form runs (the loop has no backward, and the in-place form's out= writes refuse
     autograd). Both compute in fp32 and round once: equal to float rounding."""
-    from liteboost.ops.fused_cpu import load_cpu_kernel
+    from liteboost.ops.cpu_extension import load_cpu_kernel
     from liteboost.ops.rope import _cpu_kernel
 
     tables = rope_tables(12, (3, 4, 4))

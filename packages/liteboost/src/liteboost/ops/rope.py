@@ -203,6 +203,6 @@ def _cpu_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
     for t in (cos, sin):
         if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != table_shape:
             return None
-    from liteboost.ops.fused_cpu import load_cpu_kernel
+    from liteboost.ops.cpu_extension import load_cpu_kernel
 
     return load_cpu_kernel()
