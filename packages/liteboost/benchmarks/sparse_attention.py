@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from liteboost.ops.block_gather import gather_block_sparse_attention
-from liteboost.ops.flex import build_block_mask, flex_block_sparse_attention
 from liteboost.ops.cpu_extension import load_cpu_kernel
+from liteboost.ops.flex import build_block_mask, flex_block_sparse_attention
 from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention
 from liteboost.ops.sparse_attention import plan_sparse_attention, sparse_attention
 from liteboost.ops.tiling import reorder

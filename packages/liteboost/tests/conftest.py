@@ -123,3 +123,21 @@ def vae_latents_of():
 def vae_pixels_of():
     """:func:`vae_pixels`: a video in [-1, 1] for the tiny AutoencoderKLWan."""
     return vae_pixels
+
+
+def explain_graphs(model, inputs: dict):
+    """``torch._dynamo.explain`` of one no-grad forward, from a fresh dynamo state.
+
+    Its ``graph_count`` / ``graph_break_count`` are what the compile tests compare with the
+    stock model's; ``graphs`` are the captured FX graphs and ``break_reasons`` say why a graph
+    was cut.
+    """
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return torch._dynamo.explain(model)(**inputs)
+
+
+@pytest.fixture
+def explained():
+    """:func:`explain_graphs`: dynamo's account of one traced forward."""
+    return explain_graphs

@@ -1,4 +1,9 @@
-"""``liteboost generate`` end to end: 2 ranks, sparse + Ulysses + VAE parallel, files on disk."""
+"""``liteboost generate`` end to end: 2 ranks, sparse + Ulysses + VAE parallel, files on disk;
+``liteboost build-cpu-kernel``: the extension built or loaded, where it is, why it is not."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
@@ -62,3 +67,49 @@ def test_cache_and_vae_mode_refused_before_work(tmp_path, args, message):
     assert result.exit_code == 2
     assert message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_help_lists_the_build_command():
+    top = CliRunner().invoke(app, ["--help"])
+    assert top.exit_code == 0 and "build-cpu-kernel" in top.output
+    result = CliRunner().invoke(app, ["build-cpu-kernel", "--help"])
+    assert result.exit_code == 0
+    for phrase in ("block-sparse", "RoPE", "TORCH_EXTENSIONS_DIR", "Exit 1"):
+        assert phrase in result.output
+
+
+@pytest.mark.timeout(900)  # builds the extension when no earlier test of the session did
+def test_build_cpu_kernel_names_the_library_the_kernels_load():
+    """After the kernels' own first load (a build on a fresh machine), the command loads the
+    same build from the cache and prints its name and file."""
+    from liteboost.ops.cpu_extension import load_cpu_kernel
+
+    module = load_cpu_kernel()
+    assert module is not None, "no C++ toolchain here"
+    result = CliRunner().invoke(app, ["build-cpu-kernel"])
+    assert result.exit_code == 0, result.output
+    assert f"already built; loaded {module.__name__} (" in result.output
+    assert f"cached at {module.__file__}" in result.output
+
+
+@pytest.mark.timeout(600)
+def test_build_cpu_kernel_without_a_compiler_logs_the_build_and_exits_1(tmp_path):
+    """A real failed build, in a fresh cache folder with a compiler that does not exist (in a
+    subprocess: torch's in-process build registry would remember the other folder): the INFO
+    line announcing the build names that folder, the error the compiler's failure; exit 1."""
+    script = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO); "
+        "from liteboost.cli import main; sys.argv = ['liteboost', 'build-cpu-kernel']; main()"
+    )
+    environment = os.environ | {
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"),
+        "CXX": str(tmp_path / "no-compiler"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "building liteboost's CPU kernel extension" in done.stderr
+    assert str(tmp_path / "cache" / "liteboost") in done.stderr
+    assert "error: the CPU kernel extension cannot be built here" in done.stderr
+    assert "no-compiler" in done.stderr

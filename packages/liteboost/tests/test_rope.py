@@ -58,15 +58,8 @@ def test_odd_head_dim_is_refused():
         rope_tables(13, (1, 2, 2))
 
 
-def _graph_breaks(model, inputs) -> tuple[int, int]:
-    torch._dynamo.reset()
-    with torch.no_grad():
-        explained = torch._dynamo.explain(model)(**inputs)
-    return explained.graph_count, explained.graph_break_count
-
-
 @pytest.mark.timeout(900)  # dynamo tracing on a loaded two-core machine; catches hangs only
-def test_boosted_transformer_compiles_without_graph_breaks_like_stock(wan_inputs):
+def test_boosted_transformer_compiles_without_graph_breaks_like_stock(wan_inputs, explained):
     """Cached real-fp32 RoPE and the dense chain trace into one graph, as the stock model does;
     the fullgraph compile (AOT autograd, eager kernels) equals the eager boosted output."""
     import liteboost
@@ -74,12 +67,17 @@ def test_boosted_transformer_compiles_without_graph_breaks_like_stock(wan_inputs
 
     model = build_tiny_transformer()
     inputs = wan_inputs(batch=2)
-    stock_graphs = _graph_breaks(model, inputs)
+
+    def graph_breaks():
+        traced = explained(model, inputs)
+        return traced.graph_count, traced.graph_break_count
+
+    stock_graphs = graph_breaks()
     assert stock_graphs == (1, 0), "the stock tiny Wan is expected to trace as one graph"
     with liteboost.BoostManager(model, sparsity=0.0, rope_cache=True):
         with torch.no_grad():
             eager = model(**inputs).sample  # fills the table cache, as a first step would
-        assert _graph_breaks(model, inputs) == stock_graphs
+        assert graph_breaks() == stock_graphs
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         with torch.no_grad():
             out = compiled(**inputs).sample

@@ -1,7 +1,8 @@
-"""``liteboost generate``: text-to-video with Wan, boosted and optionally on several ranks.
+"""``liteboost generate``: text-to-video with Wan, boosted and optionally on several ranks;
+``liteboost build-cpu-kernel``: build the C++ CPU extension ahead of its first use.
 
-The options are generated from :class:`liteboost.generate.GenerateOptions` (``npu_core.cli``),
-so ``--config FILE.toml`` and ``--set field=value`` reach every field. Every input is checked
+The generate options come from :class:`liteboost.generate.GenerateOptions` (``npu_core.cli``), so
+``--config FILE.toml`` and ``--set field=value`` reach every field. Every input is checked
 before a model is built (:mod:`liteboost.preflight`): a bad one is one line on stderr, exit 2.
 """
 
@@ -81,6 +82,29 @@ def generate(
             f"wrote {written['video']} and {written['contact_sheet']} ({written['frames']} frames, "
             f"parallel: {', '.join(written['parallel']) or 'none'})"
         )
+
+
+@app.command("build-cpu-kernel")
+def build_cpu_kernel() -> None:
+    """Build liteboost's C++ CPU extension now (or load it when already built) and say where.
+
+    It holds the fused block-sparse attention kernel (the CPU default) and the eager RoPE loop.
+    Otherwise the first sparse or RoPE call on CPU builds it (about a minute, once per machine,
+    vector ISA and torch version). The cache lies under torch's extension root, which
+    TORCH_EXTENSIONS_DIR moves. Exit 1 when it cannot be built: liteboost then runs its torch
+    fallbacks (block gather, the torch RoPE form).
+    """
+    from liteboost.ops.cpu_extension import build_cpu_extension
+
+    typer.echo("building or loading liteboost's CPU kernel extension (a first build takes ~1 min)")
+    try:
+        extension = build_cpu_extension()
+    except Exception as exc:  # the toolchain's own message is the useful part
+        typer.echo(f"error: the CPU kernel extension cannot be built here: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    done = "built" if extension.built else "already built; loaded"
+    typer.echo(f"{done} {extension.name} ({extension.tag}) in {extension.seconds:.2f} s")
+    typer.echo(f"cached at {extension.library}")
 
 
 def main() -> None:

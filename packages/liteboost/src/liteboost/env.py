@@ -10,7 +10,7 @@ import os
 
 from npu_core.env import read
 
-__all__ = ["ATTENTION_BACKEND", "PATH", "VARIABLES", "prepend_path", "read"]
+__all__ = ["ATTENTION_BACKEND", "PATH", "TORCH_EXTENSIONS_DIR", "VARIABLES", "prepend_path", "read"]
 
 ATTENTION_BACKEND = "LITEBOOST_ATTENTION_BACKEND"
 """Force the dense attention backend: ``fa3``, ``fa2``, ``npu`` or ``sdpa`` (default: chain)."""
@@ -18,7 +18,11 @@ ATTENTION_BACKEND = "LITEBOOST_ATTENTION_BACKEND"
 PATH = "PATH"
 """Executable search path: torch's extension builder runs the ``ninja`` it finds there."""
 
-VARIABLES = (ATTENTION_BACKEND, PATH)
+TORCH_EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
+"""torch's root folder for compiled extensions; liteboost builds its CPU extension under it too
+(default: torch's ``get_default_build_root()``, ``~/.cache/torch_extensions``)."""
+
+VARIABLES = (ATTENTION_BACKEND, PATH, TORCH_EXTENSIONS_DIR)
 """Every variable liteboost reads (the README lists them)."""
 
 

@@ -104,8 +104,9 @@ def extension_directory(name: str) -> Path:
     """
     from torch.utils.cpp_extension import get_default_build_root
 
+    root = env.read(env.TORCH_EXTENSIONS_DIR) or get_default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / "liteboost" / python / name
+    return Path(root) / "liteboost" / python / name
 
 
 @dataclass(frozen=True)

@@ -112,8 +112,7 @@ def _call_operator(
     return fused_block_sparse_attention(q, k, v, block_index, q_block, kv_block, scale)
 
 
-@torch.library.custom_op(OPERATOR, mutates_args=(), device_types="cpu")
-def fused_block_sparse_attention(
+def fused_attention_fp32(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -124,10 +123,11 @@ def fused_block_sparse_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out fp32 [B, N, Sq, Dv], lse fp32 [B, N, Sq]) of block-sparse attention, both contiguous.
 
-    The fused kernel where the extension loads, block gather (with its log-sum-exp) where it
-    does not. Key blocks that every query row keeps run once for all queries at dense SDPA's
-    rate and are merged through the kernel's log-sum-exp. Forward only: no autograd formula is
-    registered, so a backward through it raises instead of returning wrong gradients.
+    The body of the ``liteboost::fused_block_sparse_attention`` operator (call the operator,
+    :data:`fused_block_sparse_attention`; this plain function is what it runs, kept apart so its
+    dispatch cost can be measured). The fused kernel where the extension loads, block gather
+    (with its log-sum-exp) where it does not. Key blocks that every query row keeps run once for
+    all queries at dense SDPA's rate and are merged through the kernel's log-sum-exp.
     """
     kernel = load_cpu_kernel()
     if kernel is None:
@@ -147,6 +147,14 @@ def fused_block_sparse_attention(
         out, lse = merge_shared_blocks_with_lse(qf, kf, vf, out, lse, shared, kv_block, scale)
     # Contiguous, as the fake kernel promises (compiled graphs plan strides from it).
     return out.contiguous(), lse.contiguous()
+
+
+fused_block_sparse_attention = torch.library.custom_op(
+    OPERATOR, fused_attention_fp32, mutates_args=(), device_types="cpu"
+)
+"""The operator: :func:`fused_attention_fp32` as one opaque node for dynamo. Forward only: no
+autograd formula is registered, so a backward through it raises instead of returning wrong
+gradients (the wrappers above send autograd to block gather before it is reached)."""
 
 
 @fused_block_sparse_attention.register_fake
