@@ -81,6 +81,7 @@ SETTING_CHANGES = [
     {"min_region_ops": 3},
     {"max_region_ops": 8},
     {"patch_conv": "off"},
+    {"linear_kernel": "inductor"},
     {"machine": TEST_MACHINE},
 ]
 

@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from mfusion.backends import mlir_cpu as _mlir_cpu  # noqa: F401  (registers mfusion::mlir_region)
 from mfusion.backends.registry import BackendName
-from mfusion.config import MFusionConfig, PatchConvPolicy
+from mfusion.config import LinearKernelPolicy, MFusionConfig, PatchConvPolicy
 from mfusion.install import compile_options, enabled, install, is_installed, uninstall
 from mfusion.machine import MachineProfile
 from mfusion.passes.manager import MFusionPassManager
@@ -24,6 +24,7 @@ __all__ = [
     "PASS_REGISTRY",
     "BackendName",
     "GraphReport",
+    "LinearKernelPolicy",
     "MFusionConfig",
     "MFusionPassManager",
     "MachineProfile",

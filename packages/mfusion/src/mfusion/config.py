@@ -33,6 +33,18 @@ class PatchConvPolicy(enum.StrEnum):
     """Keep every convolution."""
 
 
+class LinearKernelPolicy(enum.StrEnum):
+    """Which GEMM library runs a frozen fp32 linear (the ``linear_kernel`` pass)."""
+
+    MEASURE = "measure"
+    """Time MKL's and oneDNN's packed GEMM for each shape on this machine (cached) and take
+    oneDNN only where it is clearly faster."""
+    ONEDNN = "onednn"
+    """oneDNN wherever the form allows (you measured it pays here)."""
+    INDUCTOR = "inductor"
+    """Keep Inductor's choice (MKL for static-shape fp32 on x86)."""
+
+
 class MFusionConfig(StrictConfig):
     """Everything that changes what mfusion does to a graph.
 
@@ -77,6 +89,11 @@ class MFusionConfig(StrictConfig):
         description="Where the patch_conv pass may rewrite: 'auto' (only where measured to pay), "
         "'on' or 'off'.",
     )
+    linear_kernel: LinearKernelPolicy = Field(
+        LinearKernelPolicy.MEASURE,
+        description="GEMM library of frozen fp32 linears: 'measure' (time MKL and oneDNN per "
+        "shape on this machine, cached), 'onednn' or 'inductor' (keep MKL).",
+    )
     machine: MachineProfile | None = Field(
         None,
         description="The machine the machine-dependent rewrites (matmul_cast, patch_conv) decide "
@@ -118,6 +135,17 @@ class MFusionConfig(StrictConfig):
         except ValueError:
             allowed = ", ".join(p.value for p in PatchConvPolicy)
             raise ValueError(f"patch_conv={value!r} is not known; use one of: {allowed}") from None
+
+    @field_validator("linear_kernel", mode="before")
+    @classmethod
+    def _known_linear_kernel(cls, value: Any) -> Any:
+        try:
+            return LinearKernelPolicy(value)
+        except ValueError:
+            allowed = ", ".join(p.value for p in LinearKernelPolicy)
+            raise ValueError(
+                f"linear_kernel={value!r} is not known; use one of: {allowed}"
+            ) from None
 
     @field_validator("machine", mode="before")
     @classmethod

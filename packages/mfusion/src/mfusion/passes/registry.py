@@ -25,4 +25,5 @@ PASS_REGISTRY: dict[str, str] = {
     "k1_matmul": "mfusion.passes.k1_matmul:K1MatMulPass",
     "matmul_reshape_bias": "mfusion.passes.matmul_reshape_bias:MatMulReshapeBiasPass",
     "matmul_bias": "mfusion.passes.matmul_bias:MatMulBiasPass",
+    "linear_kernel": "mfusion.passes.linear_kernel:LinearKernelPass",
 }

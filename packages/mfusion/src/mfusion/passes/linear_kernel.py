@@ -1,0 +1,230 @@
+"""Frozen fp32 linears on the GEMM library that is faster on this machine: MKL's or oneDNN's.
+
+Under freezing, Inductor packs every static-shape fp32 linear weight for MKL on x86
+(``mkl._mkl_linear``) and every bf16/fp16 or dynamic-batch one for oneDNN
+(``mkldnn._linear_pointwise``). Which library multiplies fp32 faster is a property of the CPU,
+not of the dtype: on a 2-core AMD EPYC with AVX2, one thread, oneDNN's packed GEMM took
+0.85-0.90x of MKL's time at the real models' shapes (M 256, K/N 256-3072; 0.95-1.00x at N 128-256),
+and the models built from ``transformers`` ran 1.04-1.15x faster with it. Elsewhere MKL may win.
+
+So the pass does not carry a rule: per linear shape it times both packed GEMMs on random inputs
+of that shape on the machine it runs on (interleaved rounds, medians, the same timer as the
+``mlir-cpu`` choice) and moves the linear to oneDNN only when oneDNN is at least
+:data:`MIN_GAIN` faster. Decisions are cached on disk per (shape, machine profile), so a second
+compile on the same machine measures nothing. The weight is packed for oneDNN once, at compile
+time, from the frozen constant, and shared by every linear that reads it.
+
+``MFusionConfig.linear_kernel``: ``measure`` (default), ``onednn`` (always, where the form
+allows), ``inductor`` (keep MKL). Inference only: the MKL form exists only for frozen weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import fx
+
+from mfusion.config import LinearKernelPolicy, MFusionConfig
+from mfusion.machine import MachineProfile
+from mfusion.mlir.choice import Timer, interleaved_timer
+from mfusion.passes._graph import fake_mode_of, is_op, replace, tensor_val
+from mfusion.passes.base import MFusionPass, Refusal, Rewrite
+
+log = logging.getLogger("mfusion.linear_kernel")
+
+MKL_LINEAR = (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default)
+ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+ONEDNN_PACK = torch.ops.mkldnn._reorder_linear_weight.default
+
+MIN_GAIN = 0.03
+"""oneDNN must take at most ``1 - MIN_GAIN`` of MKL's time: a tie stays with Inductor's form."""
+
+ROUNDS = 9
+"""Interleaved rounds per shape (odd, so the median is one measured round)."""
+
+SAMPLE_S = 0.005
+"""Target length of one sample; a GEMM of the real models takes 0.5-60 ms."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """Which library runs one linear shape here, and the measurement behind it."""
+
+    onednn: bool
+    onednn_s: float | None
+    mkl_s: float | None
+    source: str
+    """``measured``, ``cache`` or ``linear_kernel=<policy>``."""
+
+    def describe(self) -> str:
+        if self.onednn_s is None or self.mkl_s is None:
+            return f"{'oneDNN' if self.onednn else 'MKL'} ({self.source})"
+        return (
+            f"oneDNN {self.onednn_s * 1e6:.0f} us vs MKL {self.mkl_s * 1e6:.0f} us "
+            f"(ratio {self.onednn_s / self.mkl_s:.2f}, {self.source})"
+        )
+
+
+_TIMER: list[Timer] = []
+
+
+@contextlib.contextmanager
+def use_timer(timer: Timer) -> Iterator[None]:
+    """Decide with ``timer(onednn_call, mkl_call)`` inside the block (tests inject fixed times:
+    no test may depend on the speed of the machine it runs on)."""
+    _TIMER.append(timer)
+    try:
+        yield
+    finally:
+        _TIMER.pop()
+
+
+def cache_dir() -> Path:
+    """``$MFUSION_CACHE_DIR/linear-kernel``, else under ``$XDG_CACHE_HOME/mfusion`` or
+    ``~/.cache/mfusion`` (next to the ``mlir-cpu`` decisions)."""
+    root = os.environ.get("MFUSION_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "mfusion")
+    return Path(root) / "linear-kernel"
+
+
+def _cache_key(shape: tuple[int, int, int], bias: bool, machine: MachineProfile) -> str:
+    text = json.dumps({"mkn": shape, "bias": bias, "machine": machine.fingerprint()})
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _read_cache(key: str) -> KernelChoice | None:
+    try:
+        data = json.loads((cache_dir() / f"{key}.json").read_text())
+        return KernelChoice(bool(data["onednn"]), data["onednn_s"], data["mkl_s"], "cache")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(key: str, choice: KernelChoice, shape: tuple[int, int, int]) -> None:
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {"onednn": choice.onednn, "onednn_s": choice.onednn_s, "mkl_s": choice.mkl_s}
+    data["mkn"] = list(shape)  # for a reader of the file; not part of the decision
+    tmp = directory / f".{key}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    tmp.replace(directory / f"{key}.json")  # atomic: a concurrent compile never reads half
+
+
+def _calls(m: int, k: int, n: int, bias: bool) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The two packed GEMMs Inductor would run for this shape, on random inputs."""
+    x, weight = torch.randn(m, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+    onednn_packed = ONEDNN_PACK(weight, m)
+
+    def mkl() -> object:
+        return torch.ops.mkl._mkl_linear(x, mkl_packed, weight, b, m)
+
+    def onednn() -> object:
+        return ONEDNN_LINEAR(x, onednn_packed, b, "none", [], "")
+
+    return onednn, mkl
+
+
+def choose(
+    m: int, k: int, n: int, bias: bool, policy: str, machine: MachineProfile
+) -> KernelChoice:
+    """oneDNN or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``."""
+    if policy != LinearKernelPolicy.MEASURE:
+        onednn = policy == LinearKernelPolicy.ONEDNN
+        return KernelChoice(onednn, None, None, f"linear_kernel={policy}")
+    key = _cache_key((m, k, n), bias, machine)
+    cached = _read_cache(key)
+    if cached is not None:
+        return cached
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        onednn, mkl = _calls(m, k, n, bias)
+        timer = _TIMER[-1] if _TIMER else _default_timer
+        onednn_s, mkl_s = timer(onednn, mkl)
+    choice = KernelChoice(onednn_s <= (1 - MIN_GAIN) * mkl_s, onednn_s, mkl_s, "measured")
+    _write_cache(key, choice, (m, k, n))
+    log.info("linear %dx%dx%d (bias %s): %s", m, k, n, bias, choice.describe())
+    return choice
+
+
+def _default_timer(onednn: Callable[[], object], mkl: Callable[[], object]) -> tuple[float, float]:
+    return interleaved_timer(onednn, mkl, ROUNDS, SAMPLE_S)
+
+
+class LinearKernelPass(MFusionPass):
+    """Anchor on ``mkl._mkl_linear(x, packed, weight, bias, batch)`` of a frozen weight."""
+
+    name = "linear_kernel"
+
+    def match_at(self, node: fx.Node, config: MFusionConfig) -> Rewrite | None:
+        if not is_op(node, *MKL_LINEAR):
+            return None
+        x, _packed, weight, bias = node.args[:4]
+        x_val, w_val = tensor_val(x), tensor_val(weight)
+        if x_val is None or w_val is None or not isinstance(weight, fx.Node):
+            return None
+        root = node.graph.owning_module
+        if weight.op != "get_attr" or root is None:
+            raise Refusal("the weight is not a frozen constant of the graph module")
+        if x_val.dtype != torch.float32 or x_val.dim() != 2 or x_val.device.type != "cpu":
+            raise Refusal(f"input {x_val.dtype} {x_val.dim()}-D on {x_val.device.type}")
+        if not all(isinstance(s, int) for s in (*x_val.shape, *w_val.shape)):
+            raise Refusal("symbolic shape: oneDNN's packing is per batch size")
+        if not torch.backends.mkldnn.is_available():
+            raise Refusal("this torch build has no oneDNN")
+        (m, k), n = x_val.shape, w_val.shape[0]
+        choice = choose(m, k, n, bias is not None, config.linear_kernel, config.resolved_machine())
+        if not choice.onednn:
+            raise Refusal(f"MKL kept: {choice.describe()}")
+
+        def rewrite() -> str:
+            packed = _packed_constant(root, weight, m)
+            new = node.graph.call_function(ONEDNN_LINEAR, (x, packed, bias, "none", [], ""))
+            new.meta["val"] = node.meta["val"]
+            replace(node, new)
+            return f"oneDNN packed GEMM {m}x{k}x{n}: {choice.describe()}"
+
+        return rewrite
+
+
+def _packed_constant(root: torch.nn.Module, weight: fx.Node, batch: int) -> fx.Node:
+    """A ``get_attr`` of ``weight`` packed for oneDNN at ``batch`` rows, made once per weight."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    assert isinstance(weight.target, str)
+    name = f"_mfusion_onednn_{weight.target.replace('.', '_')}_{batch}"
+    graph = weight.graph
+    if not hasattr(root, name):
+        with unset_fake_temporarily(), torch.no_grad():
+            value = ONEDNN_PACK(getattr_path(root, weight.target), batch)
+        root.register_buffer(name, value, persistent=False)
+    existing = next((n for n in graph.find_nodes(op="get_attr") if n.target == name), None)
+    if existing is not None:
+        return existing
+    with graph.inserting_after(weight):
+        node = graph.get_attr(name)
+    fake_mode = fake_mode_of(graph)
+    value = getattr(root, name)
+    node.meta["val"] = fake_mode.from_tensor(value) if fake_mode is not None else value
+    return node
+
+
+def getattr_path(root: torch.nn.Module, target: str) -> torch.Tensor:
+    """``root.a.b.c`` for ``target="a.b.c"`` (how ``get_attr`` nodes name their constants)."""
+    value: object = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    assert isinstance(value, torch.Tensor)
+    return value
