@@ -72,14 +72,16 @@ def test_region_size_limit_splits_growth(harness):
 
 
 def test_capability_table_filters_by_op_dtype_and_shape(harness):
-    """mlir-cpu takes fp32 elementwise/reduce with static shapes; no matmul, no bf16."""
+    """mlir-cpu takes fp32 elementwise/reduce/2-D matmul with static shapes; no bmm, no bf16."""
 
     def fn(x, w):
         return torch.exp(x @ w).sum(-1)
 
     gm = harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4))
     nodes = _nodes(gm)
-    assert MLIR_CPU_TABLE.check(nodes["mm"]).startswith("aten.mm.default is not in")
+    assert MLIR_CPU_TABLE.check(nodes["mm"]).kind is RegionKind.MATMUL
+    bmm = _nodes(harness.trace(torch.bmm, torch.randn(2, 4, 4), torch.randn(2, 4, 4)))["bmm"]
+    assert MLIR_CPU_TABLE.check(bmm).startswith("aten.bmm.default is not in")
     assert MLIR_CPU_TABLE.check(nodes["exp"]).kind is RegionKind.ELEMENTWISE
     assert INDUCTOR_TABLE.check(nodes["mm"]).kind is RegionKind.MATMUL
     gm16 = harness.trace(fn, torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4).bfloat16())

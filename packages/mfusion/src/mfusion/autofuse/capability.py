@@ -116,14 +116,19 @@ ALL_KINDS = {
 
 INDUCTOR_TABLE = _table("inductor", ALL_KINDS, FLOATS | {torch.float64})
 # The JIT's vector pipeline tiles and vectorises rows (element-wise, reductions, softmax, norms)
-# but has no GEMM strategy (register blocking, packing, K-panel caching), so a matmul would lose
-# to the BLAS call Inductor makes on any CPU; the table leaves matmuls (and so matmul + epilogue
-# regions) out. Static shapes only: each shape is one compiled kernel. max_numel bounds what one
-# kernel is handed (64 MiB of fp32 per tensor): a size guard, not a measured speed threshold;
-# whether a region pays is measured per region (mfusion.mlir.choice).
+# and, since 0.3.4, one 2-D matmul (mm / addmm) with its element-wise epilogue
+# (mfusion.mlir.gemm: packed panels, register blocks, epilogue in the tile). No bmm: the GEMM
+# strategy is 2-D. Static shapes only: each shape is one compiled kernel. max_numel bounds what
+# one kernel is handed (64 MiB of fp32 per tensor): a size guard, not a measured speed
+# threshold; whether a region pays (a GEMM against Inductor's BLAS call) is measured per region
+# (mfusion.mlir.choice).
+MLIR_CPU_MATMUL_OPS = (aten.mm.default, aten.addmm.default)
 MLIR_CPU_TABLE = _table(
     "mlir-cpu",
-    {k: v for k, v in ALL_KINDS.items() if k is not RegionKind.MATMUL},
+    {
+        **{k: v for k, v in ALL_KINDS.items() if k is not RegionKind.MATMUL},
+        RegionKind.MATMUL: MLIR_CPU_MATMUL_OPS,
+    },
     frozenset({torch.float32}),
     max_numel=1 << 24,
     static_shapes=True,

@@ -116,6 +116,7 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
     from torch_mlir.compiler_utils import run_pipeline_with_repro_report
     from torch_mlir.dialects import torch as torch_d
 
+    from mfusion.mlir.gemm import has_matmul
     from mfusion.mlir.vectorize import (
         expand_transcendentals,
         fold_empty_slices,
@@ -141,6 +142,9 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
             module, f"builtin.module({SCALAR_PIPELINE})", "Lowering Linalg-on-Tensors -> LLVM"
         )
         return module
+    if has_matmul(module):
+        _lower_gemm(module)
+        return module
     # Unit dims folded first: torch-mlir writes keepdim reductions with a constant 0 in the
     # output map, which tiling (and so row fusion) cannot handle.
     run_pipeline_with_repro_report(
@@ -161,3 +165,32 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
         module, f"builtin.module({VECTOR_PIPELINE})", "Lowering vectorised linalg -> LLVM"
     )
     return module
+
+
+# A GEMM region's transposes and accumulators are 2-D vectors: unrolled to 1-D here, where the
+# default lowering would put a stack buffer per loop iteration (and overflow the stack over K).
+GEMM_PIPELINE = VECTOR_PIPELINE.replace(
+    "func.func(convert-vector-to-scf)", "func.func(convert-vector-to-scf{full-unroll=true})"
+)
+
+
+def _lower_gemm(module: ir.Module) -> None:
+    """Matmul + epilogue regions (:mod:`mfusion.mlir.gemm`): the matmul and transpose stay named
+    ops (their tiling needs them), the epilogue is fused into one generic and tiled with them."""
+    from torch_mlir.compiler_utils import run_pipeline_with_repro_report
+
+    from mfusion.mlir.gemm import tile_matmul_epilogue
+    from mfusion.mlir.vectorize import expand_transcendentals
+
+    run_pipeline_with_repro_report(
+        module,
+        "builtin.module(func.func(linalg-fuse-elementwise-ops),func.func(canonicalize))",
+        "Fusing the GEMM epilogue",
+    )
+    expand_transcendentals(module)
+    tile_matmul_epilogue(module)
+    run_pipeline_with_repro_report(
+        module,
+        f"builtin.module(func.func(canonicalize),func.func(cse),{GEMM_PIPELINE})",
+        "Lowering the tiled GEMM -> LLVM",
+    )

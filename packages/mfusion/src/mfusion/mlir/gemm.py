@@ -1,0 +1,192 @@
+"""Matmul + epilogue regions: register-blocked, vectorised GEMM with the epilogue in the tile.
+
+A region of one 2-D matmul and its element-wise epilogue lowers (after torch-mlir) to
+``linalg.fill`` + ``linalg.matmul`` + one fused ``linalg.generic`` epilogue, with a
+``linalg.transpose`` of the weight when the matmul reads it transposed (a linear). The
+transform dialect then builds the usual CPU GEMM loop nest:
+
+- the epilogue is tiled over column panels of :data:`PANEL_N` (or a divisor of N); the
+  transpose, fill and matmul are fused into that loop, so the weight is transposed once per
+  panel into a K x N_panel buffer (the packing step) that stays in cache while every row block
+  reads it;
+- inside a panel, row blocks of :data:`BLOCK_M` rows (or a divisor of M) with the matmul and
+  fill fused again, the matmul then tiled along K by 1: each K step is one outer product of an
+  M_block column of the input with an N_panel row of the packed weight, accumulated in
+  registers (vector iter_args, FMA through ``contract`` fast-math);
+- the epilogue is vectorised on the M_block x N_panel accumulator, so the result is written
+  once.
+
+Tile sizes are divisors of the shapes (no partial tiles, so no masks): a shape without a good
+divisor gets smaller blocks, and is slower; the measured choice (:mod:`mfusion.mlir.choice`)
+keeps such regions with Inductor. No K blocking for L2, no threads: MKL/oneDNN's GEMM is
+usually faster, which is what the choice measures.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch_mlir import ir
+
+BLOCK_M = 8
+"""Rows per register block: 8 x 32 f32 accumulators are 16 AVX-512 registers."""
+
+PANEL_N = 32
+"""Columns per panel (and per register block); the packed panel is K x 32."""
+
+TRANSPOSE_ROWS = 8
+"""K rows of the packed panel written per vectorised transpose step."""
+
+
+def largest_divisor(extent: int, limit: int) -> int:
+    """The largest divisor of ``extent`` not above ``limit`` (1 at worst)."""
+    return max(d for d in range(1, min(extent, limit) + 1) if extent % d == 0)
+
+
+def _ops(module: ir.Module, name: str) -> list[ir.Operation]:
+    from torch_mlir import ir
+
+    found: list[ir.Operation] = []
+
+    def collect(op: ir.Operation) -> ir.WalkResult:
+        if op.name == name:
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(collect)
+    return found
+
+
+def has_matmul(module: ir.Module) -> bool:
+    """True if the linalg-on-tensors module holds a ``linalg.matmul`` (a GEMM region)."""
+    return bool(_ops(module, "linalg.matmul"))
+
+
+def _static_shape(value: ir.Value) -> list[int]:
+    from torch_mlir import ir
+
+    shaped = ir.ShapedType(value.type)
+    shape = list(shaped.shape)
+    if any(s < 0 for s in shape):
+        raise ValueError("matmul regions are compiled for static shapes")
+    return shape
+
+
+def _fresh_destination(transpose: ir.Operation) -> None:
+    """Give the weight transpose its own ``tensor.empty``: torch-mlir's CSE may share one with
+    the output (when K == M), and the packed panel would then be bufferised into the output."""
+    from torch_mlir import ir
+    from torch_mlir.dialects import tensor
+
+    init = transpose.operands[1]
+    shaped = ir.RankedTensorType(init.type)
+    with ir.InsertionPoint(transpose):
+        fresh = tensor.EmptyOp(list(shaped.shape), shaped.element_type)
+    transpose.operands[1] = fresh.result
+
+
+def gemm_script(m: int, n: int, k: int, transposed: bool) -> str:
+    """The transform sequence: panels over N (pack fused), row blocks over M, K steps of 1,
+    vectorise, keep the accumulator in registers, lower contractions to outer products."""
+    block_m, panel_n = largest_divisor(m, BLOCK_M), largest_divisor(n, PANEL_N)
+    rows = largest_divisor(k, TRANSPOSE_ROWS)
+    op = "!transform.any_op"
+    pair = f"({op}, {op}) -> ({op}, {op})"
+
+    def match(name: str, what: str) -> str:
+        return f'%{name} = transform.structured.match ops{{["{what}"]}} in %root : ({op}) -> {op}'
+
+    lines = [
+        "module attributes {transform.with_named_sequence} {",
+        f"transform.named_sequence @__transform_main(%root: {op} {{transform.readonly}}) {{",
+        match("ret", "func.return"),
+        f"%epi = transform.get_producer_of_operand %ret[0] : ({op}) -> {op}",
+        match("mm", "linalg.matmul"),
+        match("fill", "linalg.fill"),
+        f"%epi_n, %panel = transform.structured.tile_using_for %epi tile_sizes [0, {panel_n}] "
+        f": ({op}) -> ({op}, {op})",
+        f"%mm_n, %p1 = transform.structured.fuse_into_containing_op %mm into %panel : {pair}",
+        f"%fill_n, %p2 = transform.structured.fuse_into_containing_op %fill into %p1 : {pair}",
+    ]
+    if transposed:
+        lines += [
+            match("tr", "linalg.transpose"),
+            f"%tr_n, %p3 = transform.structured.fuse_into_containing_op %tr into %p2 : {pair}",
+        ]
+    lines += [
+        f"%epi_b, %block = transform.structured.tile_using_for %epi_n tile_sizes [{block_m}, 0] "
+        f": ({op}) -> ({op}, {op})",
+        f"%mm_b, %b1 = transform.structured.fuse_into_containing_op %mm_n into %block : {pair}",
+        f"%fill_b, %b2 = transform.structured.fuse_into_containing_op %fill_n into %b1 : {pair}",
+        f"%mm_k, %kloop = transform.structured.tile_using_for %mm_b tile_sizes [0, 0, 1] "
+        f": ({op}) -> ({op}, {op})",
+        match("func", "func.func"),
+        # the packed panel gets its own K x N_panel buffer, not a slice of a K x N tensor
+        "transform.apply_patterns to %func {",
+        "  transform.apply_patterns.tensor.fold_tensor_empty",
+        f"}} : {op}",
+    ]
+    if transposed:
+        lines += [
+            f"%tr_r, %trloop = transform.structured.tile_using_for %tr_n tile_sizes [{rows}, 0] "
+            f": ({op}) -> ({op}, {op})",
+            f"transform.structured.vectorize %tr_r : {op}",
+        ]
+    lines += [
+        f"transform.structured.vectorize %mm_k : {op}",
+        f"transform.structured.vectorize %fill_b : {op}",
+        f"transform.structured.vectorize %epi_b : {op}",
+        "transform.apply_patterns to %func {",
+        "  transform.apply_patterns.vector.cast_away_vector_leading_one_dim",
+        "  transform.apply_patterns.vector.transfer_permutation_patterns",
+        "  transform.apply_patterns.canonicalization",
+        f"}} : {op}",
+        f"transform.apply_licm to %kloop : {op}",
+        f"transform.loop.hoist_loop_invariant_subsets %kloop : {op}",
+        "transform.apply_patterns to %func {",
+        '  transform.apply_patterns.vector.lower_contraction lowering_strategy = "outerproduct"',
+        "  transform.apply_patterns.vector.lower_outerproduct",
+        "  transform.apply_patterns.canonicalization",
+        f"}} : {op}",
+        "transform.yield",
+        "}",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+def tile_matmul_epilogue(module: ir.Module) -> None:
+    """Apply :func:`gemm_script` to a linalg-on-tensors GEMM region (named ops kept).
+
+    Raises:
+        ValueError: The region is not one matmul returned through one element-wise epilogue
+            (the caller then falls back to the scalar pipeline).
+    """
+    from torch_mlir import ir
+    from torch_mlir.dialects.transform import interpreter
+
+    with module.context, ir.Location.unknown():
+        matmuls = _ops(module, "linalg.matmul")
+        returns = _ops(module, "func.return")
+        if len(matmuls) != 1 or len(returns) != 1 or len(returns[0].operands) != 1:
+            raise ValueError("a GEMM region is one matmul with one returned epilogue")
+        returned = returns[0].operands[0].owner
+        if not isinstance(returned, ir.Operation):
+            returned = returned.operation
+        if returned.name != "linalg.generic" or len(_ops(module, "linalg.fill")) != 1:
+            raise ValueError("the matmul's result must go through an element-wise epilogue")
+        lhs, rhs = matmuls[0].operands[0], matmuls[0].operands[1]
+        m, k = _static_shape(lhs)
+        n = _static_shape(rhs)[1]
+        transposes = _ops(module, "linalg.transpose")
+        if len(transposes) > 1:
+            raise ValueError("more than one transpose in a GEMM region")
+        if transposes:
+            _fresh_destination(transposes[0])
+        script = ir.Module.parse(gemm_script(m, n, k, bool(transposes)))
+        interpreter.apply_named_sequence(module.operation, script.body.operations[0], script)
+        contract = ir.Attribute.parse("#arith.fastmath<contract>")
+        for name in ("arith.mulf", "arith.addf"):  # lets LLVM form FMAs (no reassociation)
+            for op in _ops(module, name):
+                op.attributes["fastmath"] = contract
