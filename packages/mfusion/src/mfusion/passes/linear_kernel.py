@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -52,6 +53,12 @@ ROUNDS = 9
 
 SAMPLE_S = 0.005
 """Target length of one sample; a GEMM of the real models takes 0.5-60 ms."""
+
+LARGE_CALL_S = 0.05
+"""A GEMM slower than this gets :data:`LARGE_ROUNDS` rounds: its timings are long enough to be
+steady, and nine rounds of a one-second GEMM would add half a minute to the compile."""
+
+LARGE_ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +120,12 @@ def _read_cache(key: str) -> KernelChoice | None:
 def _write_cache(key: str, choice: KernelChoice, shape: tuple[int, int, int]) -> None:
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    data = {"onednn": choice.onednn, "onednn_s": choice.onednn_s, "mkl_s": choice.mkl_s}
-    data["mkn"] = list(shape)  # for a reader of the file; not part of the decision
+    data: dict[str, object] = {
+        "onednn": choice.onednn,
+        "onednn_s": choice.onednn_s,
+        "mkl_s": choice.mkl_s,
+        "mkn": list(shape),  # for a reader of the file; the key already holds it
+    }
     tmp = directory / f".{key}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(data, sort_keys=True))
     tmp.replace(directory / f"{key}.json")  # atomic: a concurrent compile never reads half
@@ -141,8 +152,8 @@ def choose(
 ) -> KernelChoice:
     """oneDNN or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``."""
     if policy != LinearKernelPolicy.MEASURE:
-        onednn = policy == LinearKernelPolicy.ONEDNN
-        return KernelChoice(onednn, None, None, f"linear_kernel={policy}")
+        forced = policy == LinearKernelPolicy.ONEDNN
+        return KernelChoice(forced, None, None, f"linear_kernel={policy}")
     key = _cache_key((m, k, n), bias, machine)
     cached = _read_cache(key)
     if cached is not None:
@@ -160,7 +171,10 @@ def choose(
 
 
 def _default_timer(onednn: Callable[[], object], mkl: Callable[[], object]) -> tuple[float, float]:
-    return interleaved_timer(onednn, mkl, ROUNDS, SAMPLE_S)
+    start = time.perf_counter()
+    mkl()
+    rounds = ROUNDS if time.perf_counter() - start < LARGE_CALL_S else LARGE_ROUNDS
+    return interleaved_timer(onednn, mkl, rounds, SAMPLE_S)
 
 
 class LinearKernelPass(MFusionPass):
@@ -182,7 +196,7 @@ class LinearKernelPass(MFusionPass):
             raise Refusal(f"input {x_val.dtype} {x_val.dim()}-D on {x_val.device.type}")
         if not all(isinstance(s, int) for s in (*x_val.shape, *w_val.shape)):
             raise Refusal("symbolic shape: oneDNN's packing is per batch size")
-        if not torch.backends.mkldnn.is_available():
+        if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             raise Refusal("this torch build has no oneDNN")
         (m, k), n = x_val.shape, w_val.shape[0]
         choice = choose(m, k, n, bias is not None, config.linear_kernel, config.resolved_machine())
@@ -210,9 +224,9 @@ def _packed_constant(root: torch.nn.Module, weight: fx.Node, batch: int) -> fx.N
         with unset_fake_temporarily(), torch.no_grad():
             value = ONEDNN_PACK(getattr_path(root, weight.target), batch)
         root.register_buffer(name, value, persistent=False)
-    existing = next((n for n in graph.find_nodes(op="get_attr") if n.target == name), None)
-    if existing is not None:
-        return existing
+    for existing in graph.find_nodes(op="get_attr"):
+        if isinstance(existing, fx.Node) and existing.target == name:
+            return existing
     with graph.inserting_after(weight):
         node = graph.get_attr(name)
     fake_mode = fake_mode_of(graph)
