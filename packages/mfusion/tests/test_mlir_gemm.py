@@ -16,6 +16,7 @@ from mfusion.mlir.gemm import largest_divisor
 from mfusion.mlir.importer import import_region
 from mfusion.mlir.pipeline import lower_to_llvm
 from mfusion.mlir.runtime import CompiledRegion
+from mfusion.mlir.threads import row_split
 from mfusion.report import GraphReport
 
 REGION_OP = torch.ops.mfusion.mlir_region.default
@@ -41,10 +42,10 @@ def mm_relu_residual(x, w, r):
 
 
 CASES = {
-    # blocks divide: 8-row blocks, 32-column panels
+    # blocks divide: 4-row blocks, 16-column panels
     "linear_gelu_erf_16x64x96": (linear_gelu_erf, (16, 64, 96), True),
-    # M, N, K none a multiple of 8/32: smaller divisors (M 20 -> 5 rows, N 48 -> 24, K 37)
-    "linear_gelu_erf_20x37x48": (linear_gelu_erf, (20, 37, 48), True),
+    # M, N, K not multiples of 4/16/8: smaller divisors (M 15 -> 3 rows, N 20 -> 10, K 37)
+    "linear_gelu_erf_15x37x20": (linear_gelu_erf, (15, 37, 20), True),
     # prime M and N: 1-row blocks, 1-column panels, still correct
     "mm_gelu_tanh_13x29x7": (mm_gelu_tanh, (13, 29, 7), False),
     # K == M: the packed weight must not share the output's buffer
@@ -82,9 +83,16 @@ def test_gemm_region_is_register_blocked_vector_code(harness):
     fn, (m, k, n), transposed = CASES["linear_gelu_erf_16x64x96"]
     ir = import_region(harness.trace(fn, *_args(fn, m, k, n, transposed)))
     lowered = str(lower_to_llvm(ir, "vector"))
-    assert "vector<32xf32>" in lowered  # a 32-column panel row per K step
+    assert "vector<16xf32>" in lowered  # a 16-column panel row per K step
     assert "contract" in lowered  # multiply-adds may become FMAs
     assert "memrefCopy" not in lowered  # the packed panel is written in place
+
+
+def test_gemm_region_is_not_split_into_row_blocks(harness):
+    """With K == M a plain mm's weight has as many rows as the output: splitting it with the
+    rows would be wrong, so matmul regions run on one thread."""
+    gm = harness.trace(mm_relu_residual, torch.randn(8, 8), torch.randn(8, 16), torch.randn(8, 16))
+    assert row_split(gm) is None
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,9 @@ from mfusion.passes._graph import aten, tensor_val
 
 _REDUCE = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default)
 _SIZED = (aten.view.default, aten.reshape.default, aten.expand.default)
+# A matmul's output row i reads every row of its second operand: with K == M the row test below
+# would split that operand with the rows. Matmul regions run on one thread.
+_MATMUL = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
 def row_split(gm: fx.GraphModule) -> int | None:
@@ -43,6 +46,8 @@ def row_split(gm: fx.GraphModule) -> int | None:
     if rank < 2 or not isinstance(rows, int) or rows < 2:
         return None
     for node in nodes:
+        if node.target in _MATMUL:
+            return None
         if node.target in _REDUCE:
             dims = node.args[1] if len(node.args) > 1 else None
             if not isinstance(dims, (list, tuple)) or any(
