@@ -36,6 +36,7 @@ from torch import fx
 from mfusion.config import LinearKernelPolicy, MFusionConfig
 from mfusion.machine import MachineProfile
 from mfusion.mlir.choice import Timer, interleaved_timer
+from mfusion.mlir.choice import cache_dir as mlir_cache_dir
 from mfusion.passes._graph import fake_mode_of, is_op, replace, tensor_val
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
@@ -95,13 +96,9 @@ def use_timer(timer: Timer) -> Iterator[None]:
 
 
 def cache_dir() -> Path:
-    """``$MFUSION_CACHE_DIR/linear-kernel``, else under ``$XDG_CACHE_HOME/mfusion`` or
-    ``~/.cache/mfusion`` (next to the ``mlir-cpu`` decisions)."""
-    root = os.environ.get("MFUSION_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = str(Path(xdg) / "mfusion")
-    return Path(root) / "linear-kernel"
+    """``linear-kernel`` next to the ``mlir-cpu`` decisions (``$MFUSION_CACHE_DIR``, else under
+    ``$XDG_CACHE_HOME/mfusion`` or ``~/.cache/mfusion``)."""
+    return mlir_cache_dir().parent / "linear-kernel"
 
 
 def _cache_key(shape: tuple[int, int, int], bias: bool, machine: MachineProfile) -> str:
