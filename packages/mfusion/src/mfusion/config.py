@@ -12,7 +12,13 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from mfusion.backends.registry import BackendName, select_backend
 from mfusion.machine import MachineProfile
@@ -118,33 +124,19 @@ class MFusionConfig(StrictConfig):
         except ValidationError as exc:
             raise ConfigError(f"invalid mfusion option: {describe_errors(exc)}") from None
 
-    @field_validator("backend", mode="before")
+    @field_validator("backend", "patch_conv", "linear_kernel", mode="before")
     @classmethod
-    def _known_backend(cls, value: Any) -> Any:
+    def _known_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        """An enum field's value, or one line naming the field, the value and what is allowed."""
+        assert info.field_name is not None
+        choices = cls.model_fields[info.field_name].annotation
+        assert isinstance(choices, type) and issubclass(choices, enum.Enum)
         try:
-            return BackendName(value)
+            return choices(value)
         except ValueError:
-            allowed = ", ".join(b.value for b in BackendName)
-            raise ValueError(f"backend={value!r} is not known; use one of: {allowed}") from None
-
-    @field_validator("patch_conv", mode="before")
-    @classmethod
-    def _known_policy(cls, value: Any) -> Any:
-        try:
-            return PatchConvPolicy(value)
-        except ValueError:
-            allowed = ", ".join(p.value for p in PatchConvPolicy)
-            raise ValueError(f"patch_conv={value!r} is not known; use one of: {allowed}") from None
-
-    @field_validator("linear_kernel", mode="before")
-    @classmethod
-    def _known_linear_kernel(cls, value: Any) -> Any:
-        try:
-            return LinearKernelPolicy(value)
-        except ValueError:
-            allowed = ", ".join(p.value for p in LinearKernelPolicy)
+            allowed = ", ".join(c.value for c in choices)
             raise ValueError(
-                f"linear_kernel={value!r} is not known; use one of: {allowed}"
+                f"{info.field_name}={value!r} is not known; use one of: {allowed}"
             ) from None
 
     @field_validator("machine", mode="before")
