@@ -2,10 +2,12 @@
 
 Under freezing, Inductor packs every static-shape fp32 linear weight for MKL on x86
 (``mkl._mkl_linear``) and every bf16/fp16 or dynamic-batch one for oneDNN
-(``mkldnn._linear_pointwise``). Which library multiplies fp32 faster is a property of the CPU,
-not of the dtype: on a 2-core AMD EPYC with AVX2, one thread, oneDNN's packed GEMM took
-0.85-0.90x of MKL's time at the real models' shapes (M 256, K/N 256-3072; 0.95-1.00x at N 128-256),
-and the models built from ``transformers`` ran 1.04-1.15x faster with it. Elsewhere MKL may win.
+(``mkldnn._linear_pointwise``). Which library multiplies fp32 faster depends on the CPU (and
+on what else runs on it), not on the dtype: on a 2-core AMD EPYC with AVX2, one thread,
+oneDNN's packed GEMM took 0.85-0.90x of MKL's time at the real models' larger shapes while the
+other core was busy, but tied at several of them with the machine idle; models built from
+``transformers`` ran 1.00-1.22x faster with the choice (decoders 1.07-1.13x in both runs).
+Elsewhere MKL may win.
 
 So the pass does not carry a rule: per linear shape it times both packed GEMMs on random inputs
 of that shape on the machine it runs on (interleaved rounds, medians, the same timer as the
