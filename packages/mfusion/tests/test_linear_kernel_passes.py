@@ -6,11 +6,13 @@ the tests (the injected timer still runs both GEMMs once and checks they agree).
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
+import torch.nn.functional as F
 from torch import nn
 
 import mfusion
@@ -149,3 +151,119 @@ def test_unfrozen_graphs_are_left_alone(cache):
         torch.testing.assert_close(compiled(X), MLP(X), rtol=1e-5, atol=1e-5)
     report = mfusion.report()
     assert not _decisions(report, True) and not _decisions(report, False)
+
+
+class _Head(nn.Module):
+    """A frozen linear, then ``activation`` of its (3-D) output, as library models write it."""
+
+    def __init__(self, activation) -> None:
+        super().__init__()
+        self.proj, self.gate, self.activation = nn.Linear(48, 64), nn.Linear(48, 64), activation
+
+    def forward(self, x):
+        return self.activation(self, x)
+
+
+def _erf_gelu_by_hand(m, x):
+    h = m.proj(x)
+    return 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+
+
+def _tanh_gelu_by_hand(m, x):
+    h = m.proj(x)
+    return 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * torch.pow(h, 3))))
+
+
+ACTIVATION_FORMS = {
+    "nn.GELU": ("gelu", lambda m, x: F.gelu(m.proj(x))),
+    "erf GELU by hand": ("gelu", _erf_gelu_by_hand),
+    "nn.GELU(tanh)": ("gelu-tanh", lambda m, x: F.gelu(m.proj(x), approximate="tanh")),
+    "tanh GELU by hand": ("gelu-tanh", _tanh_gelu_by_hand),
+    "F.silu": ("silu", lambda m, x: F.silu(m.proj(x))),
+    "SwiGLU gate": ("silu", lambda m, x: F.silu(m.gate(x)) * m.proj(x)),
+    "relu": ("relu", lambda m, x: torch.relu(m.proj(x))),
+}
+
+
+def _compile_head(activation, **options):
+    torch._dynamo.reset()
+    mfusion.clear_report()
+    module, x = _Head(activation).eval(), torch.randn(2, 12, 48)
+    compiled = torch.compile(
+        module,
+        options={
+            **mfusion.compile_options(auto_fuse=False, **options),
+            "fx_graph_cache": False,
+        },
+    )
+    with torch.no_grad(), inductor_config.patch(freezing=True):
+        out = compiled(x)
+        expected = module(x)
+    return out, expected, _decisions(mfusion.report(), True)
+
+
+@pytest.mark.parametrize("form", list(ACTIVATION_FORMS))
+def test_activation_behind_a_linear_runs_in_onednn_epilogue_and_equals_eager(form, cache):
+    """Every spelling Inductor's decompositions leave of each activation is recognised by what it
+    computes, fused as oneDNN's post-op, and the result equals eager."""
+    name, activation = ACTIVATION_FORMS[form]
+    out, expected, moved = _compile_head(activation, linear_kernel="onednn")
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    fused = [d for d in moved if d.reason.split(":")[0].endswith(f"+ {name}")]
+    assert len(fused) == 1, [d.reason for d in moved]
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "pre-activation also used",
+        "activation plus a residual",
+        "sigmoid (no post-op)",
+        "GELU with a wrong constant",
+    ],
+)
+def test_outputs_that_are_not_one_activation_keep_a_plain_gemm(form, cache):
+    activation = {
+        "pre-activation also used": lambda m, x: (lambda h: F.gelu(h) * h.mean(-1, keepdim=True))(
+            m.proj(x)
+        ),
+        "activation plus a residual": lambda m, x: (lambda h: h + F.gelu(h))(m.proj(x)),
+        "sigmoid (no post-op)": lambda m, x: torch.sigmoid(m.proj(x)),
+        "GELU with a wrong constant": lambda m, x: (lambda h: 0.5 * h * (1 + torch.erf(h * 0.8)))(
+            m.proj(x)
+        ),
+    }[form]
+    out, expected, moved = _compile_head(activation, linear_kernel="onednn")
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert [d.reason for d in moved] == [
+        "oneDNN packed GEMM 24x48x64: oneDNN (linear_kernel=onednn)"
+    ]
+
+
+class SequenceTimer:
+    """Fixed (oneDNN, MKL) times per measurement, in the order the pass asks for them."""
+
+    def __init__(self, *times: tuple[float, float]) -> None:
+        self.times = list(times)
+
+    def __call__(self, onednn_call, mkl_call):
+        torch.testing.assert_close(onednn_call(), mkl_call(), rtol=1e-4, atol=1e-4)
+        return self.times.pop(0)
+
+
+def test_fused_epilogue_is_measured_first_and_a_slower_one_falls_back_to_the_plain_choice(cache):
+    gelu = ACTIVATION_FORMS["nn.GELU"][1]
+    with linear_kernel.use_timer(SequenceTimer((0.8e-3, 1.0e-3))):
+        out, expected, moved = _compile_head(gelu)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert len(moved) == 1 and "+ gelu: oneDNN 800 us vs MKL 1000 us" in moved[0].reason
+
+    # Another activation is another measurement (and cache entry): fused slower, plain faster.
+    relu = ACTIVATION_FORMS["relu"][1]
+    timer = SequenceTimer((1.2e-3, 1.0e-3), (0.9e-3, 1.0e-3))
+    with linear_kernel.use_timer(timer):
+        out, expected, moved = _compile_head(relu)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert not timer.times
+    assert len(moved) == 1 and moved[0].reason.startswith("oneDNN packed GEMM 24x48x64: oneDNN 900")
+    assert len(list(cache.glob("*.json"))) == 3  # gelu fused, relu fused, plain

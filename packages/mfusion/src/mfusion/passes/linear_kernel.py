@@ -16,6 +16,15 @@ of that shape on the machine it runs on (interleaved rounds, medians, the same t
 compile on the same machine measures nothing. The weight is packed for oneDNN once, at compile
 time, from the frozen constant, and shared by every linear that reads it.
 
+Where the linear's output goes only through an activation oneDNN can apply to its output tile
+(ReLU, erf- or tanh-GELU, SiLU; recognised by what the subgraph computes, see
+:mod:`mfusion.passes._activation`), the measurement is oneDNN's GEMM with the activation fused
+against MKL's GEMM followed by the activation, and a faster fused form replaces both: the
+activation is then applied while the tile is in registers instead of in a second pass over the
+result. Measured on the same CPU, one thread: 0.77-0.85x of MKL + activation at the MLP shapes
+of the real models (256 x 256 -> 1024 GELU, 256 x 256 -> 688 SiLU), where oneDNN's plain GEMM
+took 0.89-0.93x. A fused form that is not faster falls back to the plain-GEMM choice.
+
 ``MFusionConfig.linear_kernel``: ``measure`` (default), ``onednn`` (always, where the form
 allows), ``inductor`` (keep MKL). Inference only: the MKL form exists only for frozen weights.
 """
@@ -39,6 +48,7 @@ from mfusion.config import LinearKernelPolicy, MFusionConfig
 from mfusion.machine import MachineProfile
 from mfusion.mlir.choice import Timer, interleaved_timer
 from mfusion.mlir.choice import cache_dir as mlir_cache_dir
+from mfusion.passes._activation import Activation, activation_after
 from mfusion.passes._graph import fake_mode_of, is_op, replace, tensor_val
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
@@ -103,8 +113,12 @@ def cache_dir() -> Path:
     return mlir_cache_dir().parent / "linear-kernel"
 
 
-def _cache_key(shape: tuple[int, int, int], bias: bool, machine: MachineProfile) -> str:
-    text = json.dumps({"mkn": shape, "bias": bias, "machine": machine.fingerprint()})
+def _cache_key(
+    shape: tuple[int, int, int], bias: bool, activation: str | None, machine: MachineProfile
+) -> str:
+    text = json.dumps(
+        {"mkn": shape, "bias": bias, "activation": activation, "machine": machine.fingerprint()}
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -116,56 +130,74 @@ def _read_cache(key: str) -> KernelChoice | None:
         return None
 
 
-def _write_cache(key: str, choice: KernelChoice, shape: tuple[int, int, int]) -> None:
+def _write_cache(
+    key: str, choice: KernelChoice, shape: tuple[int, int, int], activation: str | None
+) -> None:
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     data: dict[str, object] = {
         "onednn": choice.onednn,
         "onednn_s": choice.onednn_s,
         "mkl_s": choice.mkl_s,
-        "mkn": list(shape),  # for a reader of the file; the key already holds it
+        "mkn": list(shape),  # for a reader of the file; the key already holds these two
+        "activation": activation,
     }
     tmp = directory / f".{key}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(data, sort_keys=True))
     tmp.replace(directory / f"{key}.json")  # atomic: a concurrent compile never reads half
 
 
-def _calls(m: int, k: int, n: int, bias: bool) -> tuple[Callable[[], object], Callable[[], object]]:
-    """The two packed GEMMs Inductor would run for this shape, on random inputs."""
+def _calls(
+    m: int, k: int, n: int, bias: bool, activation: Activation | None
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The two packed GEMMs Inductor would run for this shape, on random inputs; with an
+    activation, oneDNN applies it to its output tile and MKL's result goes through the eager
+    kernel (a little faster than Inductor's loop for the same activation, measured ~0.6-0.85x
+    of its time: if anything, the comparison favours keeping MKL)."""
     x, weight = torch.randn(m, k), torch.randn(n, k)
     b = torch.randn(n) if bias else None
     mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
     onednn_packed = ONEDNN_PACK(weight, m)
+    epilogue = activation.onednn_args() if activation is not None else ("none", [], "")
 
     def mkl() -> object:
-        return torch.ops.mkl._mkl_linear(x, mkl_packed, weight, b, m)
+        out = torch.ops.mkl._mkl_linear(x, mkl_packed, weight, b, m)
+        return activation.reference(out) if activation is not None else out
 
     def onednn() -> object:
-        return ONEDNN_LINEAR(x, onednn_packed, b, "none", [], "")
+        return ONEDNN_LINEAR(x, onednn_packed, b, *epilogue)
 
     return onednn, mkl
 
 
 def choose(
-    m: int, k: int, n: int, bias: bool, policy: str, machine: MachineProfile
+    m: int,
+    k: int,
+    n: int,
+    bias: bool,
+    policy: str,
+    machine: MachineProfile,
+    activation: Activation | None = None,
 ) -> KernelChoice:
-    """oneDNN or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``."""
+    """oneDNN or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``, followed by
+    ``activation`` (fused into oneDNN's GEMM, a separate loop after MKL's) when given."""
     if policy != LinearKernelPolicy.MEASURE:
         forced = policy == LinearKernelPolicy.ONEDNN
         return KernelChoice(forced, None, None, f"linear_kernel={policy}")
-    key = _cache_key((m, k, n), bias, machine)
+    epilogue = activation.name if activation is not None else None
+    key = _cache_key((m, k, n), bias, epilogue, machine)
     cached = _read_cache(key)
     if cached is not None:
         return cached
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.no_grad():
-        onednn, mkl = _calls(m, k, n, bias)
+        onednn, mkl = _calls(m, k, n, bias, activation)
         timer = _TIMER[-1] if _TIMER else _default_timer
         onednn_s, mkl_s = timer(onednn, mkl)
     choice = KernelChoice(onednn_s <= (1 - MIN_GAIN) * mkl_s, onednn_s, mkl_s, "measured")
-    _write_cache(key, choice, (m, k, n))
-    log.info("linear %dx%dx%d (bias %s): %s", m, k, n, bias, choice.describe())
+    _write_cache(key, choice, (m, k, n), epilogue)
+    log.info("linear %dx%dx%d (bias %s, %s): %s", m, k, n, bias, epilogue, choice.describe())
     return choice
 
 
@@ -198,18 +230,76 @@ class LinearKernelPass(MFusionPass):
         if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             raise Refusal("this torch build has no oneDNN")
         (m, k), n = x_val.shape, w_val.shape[0]
-        choice = choose(m, k, n, bias is not None, config.linear_kernel, config.resolved_machine())
+        machine, has_bias = config.resolved_machine(), bias is not None
+        epilogue = _epilogue(node)
+        if epilogue is not None:
+            fused = choose(m, k, n, has_bias, config.linear_kernel, machine, epilogue.activation)
+            if fused.onednn:
+                return self._rewrite(node, root, weight, (m, k, n), fused, epilogue)
+        choice = choose(m, k, n, has_bias, config.linear_kernel, machine)
         if not choice.onednn:
             raise Refusal(f"MKL kept: {choice.describe()}")
+        return self._rewrite(node, root, weight, (m, k, n), choice, None)
+
+    @staticmethod
+    def _rewrite(
+        node: fx.Node,
+        root: torch.nn.Module,
+        weight: fx.Node,
+        mkn: tuple[int, int, int],
+        choice: KernelChoice,
+        epilogue: Epilogue | None,
+    ) -> Rewrite:
+        x, bias = node.args[0], node.args[3]
 
         def rewrite() -> str:
-            packed = _packed_constant(root, weight, m)
-            new = node.graph.call_function(ONEDNN_LINEAR, (x, packed, bias, "none", [], ""))
+            packed = _packed_constant(root, weight, mkn[0])
+            shape = "x".join(map(str, mkn))
+            if epilogue is None:
+                new = node.graph.call_function(ONEDNN_LINEAR, (x, packed, bias, "none", [], ""))
+                new.meta["val"] = node.meta["val"]
+                replace(node, new)
+                return f"oneDNN packed GEMM {shape}: {choice.describe()}"
+            activation, view = epilogue.activation, epilogue.view
+            args = (x, packed, bias, *activation.onednn_args())
+            new = node.graph.call_function(ONEDNN_LINEAR, args)
             new.meta["val"] = node.meta["val"]
-            replace(node, new)
-            return f"oneDNN packed GEMM {m}x{k}x{n}: {choice.describe()}"
+            if view is not None:  # the activation read a reshape of the GEMM's 2-D result
+                new = node.graph.call_function(RESHAPE, (new, view.args[1]))
+                new.meta["val"] = view.meta["val"]
+            replace(epilogue.output, new)
+            return f"oneDNN packed GEMM {shape} + {activation.name}: {choice.describe()}"
 
         return rewrite
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """The activation behind a linear: what it is, the reshape of the GEMM's 2-D result it reads
+    (if any), and the node holding its result (the one the fused GEMM replaces)."""
+
+    activation: Activation
+    view: fx.Node | None
+    output: fx.Node
+
+
+RESHAPE = torch.ops.aten.reshape.default
+RESHAPES = (RESHAPE, torch.ops.aten.view.default)
+
+
+def _epilogue(linear: fx.Node) -> Epilogue | None:
+    """The activation the linear's output (or a reshape of it back to 3-D) alone feeds."""
+    view = None
+    source = linear
+    if len(linear.users) == 1:
+        (user,) = linear.users
+        if is_op(user, *RESHAPES):
+            view = source = user
+    found = activation_after(source)
+    if found is None:
+        return None
+    activation, output = found
+    return Epilogue(activation, view, output)
 
 
 def _packed_constant(root: torch.nn.Module, weight: fx.Node, batch: int) -> fx.Node:
