@@ -76,20 +76,23 @@ LARGE_ROUNDS = 3
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """Which library runs one linear shape here, and the measurement behind it."""
+    """Whether the candidate form runs one linear shape here, and the measurement behind it."""
 
-    onednn: bool
-    onednn_s: float | None
-    mkl_s: float | None
+    chosen: bool
+    candidate_s: float | None
+    baseline_s: float | None
     source: str
     """``measured``, ``cache`` or ``linear_kernel=<policy>``."""
+    candidate: str = "oneDNN"
+    baseline: str = "MKL"
 
     def describe(self) -> str:
-        if self.onednn_s is None or self.mkl_s is None:
-            return f"{'oneDNN' if self.onednn else 'MKL'} ({self.source})"
+        if self.candidate_s is None or self.baseline_s is None:
+            return f"{self.candidate if self.chosen else self.baseline} ({self.source})"
         return (
-            f"oneDNN {self.onednn_s * 1e6:.0f} us vs MKL {self.mkl_s * 1e6:.0f} us "
-            f"(ratio {self.onednn_s / self.mkl_s:.2f}, {self.source})"
+            f"{self.candidate} {self.candidate_s * 1e6:.0f} us vs "
+            f"{self.baseline} {self.baseline_s * 1e6:.0f} us "
+            f"(ratio {self.candidate_s / self.baseline_s:.2f}, {self.source})"
         )
 
 
@@ -98,8 +101,8 @@ _TIMER: list[Timer] = []
 
 @contextlib.contextmanager
 def use_timer(timer: Timer) -> Iterator[None]:
-    """Decide with ``timer(onednn_call, mkl_call)`` inside the block (tests inject fixed times:
-    no test may depend on the speed of the machine it runs on)."""
+    """Decide with ``timer(candidate_call, baseline_call)`` inside the block (tests inject fixed
+    times: no test may depend on the speed of the machine it runs on)."""
     _TIMER.append(timer)
     try:
         yield
@@ -113,92 +116,135 @@ def cache_dir() -> Path:
     return mlir_cache_dir().parent / "linear-kernel"
 
 
-def _cache_key(
-    shape: tuple[int, int, int], bias: bool, activation: str | None, machine: MachineProfile
-) -> str:
-    text = json.dumps(
-        {"mkn": shape, "bias": bias, "activation": activation, "machine": machine.fingerprint()}
-    )
+def _cache_key(fields: dict[str, object], machine: MachineProfile) -> str:
+    text = json.dumps({**fields, "machine": machine.fingerprint()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _read_cache(key: str) -> KernelChoice | None:
+def _read_cache(key: str, candidate: str, baseline: str) -> KernelChoice | None:
     try:
         data = json.loads((cache_dir() / f"{key}.json").read_text())
-        return KernelChoice(bool(data["onednn"]), data["onednn_s"], data["mkl_s"], "cache")
+        times = data["candidate_s"], data["baseline_s"]
+        return KernelChoice(bool(data["chosen"]), *times, "cache", candidate, baseline)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _write_cache(
-    key: str, choice: KernelChoice, shape: tuple[int, int, int], activation: str | None
-) -> None:
+def _write_cache(key: str, choice: KernelChoice, fields: dict[str, object]) -> None:
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    data: dict[str, object] = {
-        "onednn": choice.onednn,
-        "onednn_s": choice.onednn_s,
-        "mkl_s": choice.mkl_s,
-        "mkn": list(shape),  # for a reader of the file; the key already holds these two
-        "activation": activation,
+    data = {
+        "chosen": choice.chosen,
+        "candidate_s": choice.candidate_s,
+        "baseline_s": choice.baseline_s,
+        **fields,  # for a reader of the file; the key already holds them
     }
     tmp = directory / f".{key}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(data, sort_keys=True))
     tmp.replace(directory / f"{key}.json")  # atomic: a concurrent compile never reads half
 
 
-def _calls(
-    m: int, k: int, n: int, bias: bool, activation: Activation | None
-) -> tuple[Callable[[], object], Callable[[], object]]:
-    """The two packed GEMMs Inductor would run for this shape, on random inputs; with an
-    activation, oneDNN applies it to its output tile and MKL's result goes through the eager
-    kernel (a little faster than Inductor's loop for the same activation, measured ~0.6-0.85x
-    of its time: if anything, the comparison favours keeping MKL)."""
-    x, weight = torch.randn(m, k), torch.randn(n, k)
-    b = torch.randn(n) if bias else None
-    mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
-    onednn_packed = ONEDNN_PACK(weight, m)
-    epilogue = activation.onednn_args() if activation is not None else ("none", [], "")
+@dataclasses.dataclass
+class _Operands:
+    """Random inputs of one linear shape and its weight packed for both libraries."""
 
-    def mkl() -> object:
-        out = torch.ops.mkl._mkl_linear(x, mkl_packed, weight, b, m)
-        return activation.reference(out) if activation is not None else out
+    m: int
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    mkl_packed: torch.Tensor
+    onednn_packed: torch.Tensor
 
-    def onednn() -> object:
-        return ONEDNN_LINEAR(x, onednn_packed, b, *epilogue)
+    @classmethod
+    def random(cls, m: int, k: int, n: int, bias: bool) -> _Operands:
+        weight = torch.randn(n, k)
+        return cls(
+            m,
+            torch.randn(m, k),
+            weight,
+            torch.randn(n) if bias else None,
+            torch.ops.mkl._mkl_reorder_linear_weight(weight, m),
+            ONEDNN_PACK(weight, m),
+        )
 
-    return onednn, mkl
+    def mkl(self) -> torch.Tensor:
+        out = torch.ops.mkl._mkl_linear(self.x, self.mkl_packed, self.weight, self.bias, self.m)
+        return out  # type: ignore[no-any-return]
+
+    def onednn(self, activation: Activation | None = None) -> torch.Tensor:
+        epilogue = activation.onednn_args() if activation is not None else ("none", [], "")
+        out = ONEDNN_LINEAR(self.x, self.onednn_packed, self.bias, *epilogue)
+        return out  # type: ignore[no-any-return]
+
+
+def _decide(
+    mkn: tuple[int, int, int],
+    bias: bool,
+    extra: dict[str, str],
+    machine: MachineProfile,
+    labels: tuple[str, str],
+    calls: Callable[[_Operands], tuple[Callable[[], object], Callable[[], object]]],
+) -> KernelChoice:
+    """Time ``calls(operands) = (candidate, baseline)`` on random operands of shape ``mkn`` (or
+    read the cached decision); the candidate wins at :data:`MIN_GAIN` or more."""
+    fields: dict[str, object] = {"mkn": list(mkn), "bias": bias, **extra}
+    key = _cache_key(fields, machine)
+    cached = _read_cache(key, *labels)
+    if cached is not None:
+        return cached
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        candidate, baseline = calls(_Operands.random(*mkn, bias))
+        timer = _TIMER[-1] if _TIMER else _default_timer
+        candidate_s, baseline_s = timer(candidate, baseline)
+    chosen = candidate_s <= (1 - MIN_GAIN) * baseline_s
+    choice = KernelChoice(chosen, candidate_s, baseline_s, "measured", *labels)
+    _write_cache(key, choice, fields)
+    log.info("linear %s (bias %s): %s", "x".join(map(str, mkn)), bias, choice.describe())
+    return choice
 
 
 def choose(
+    m: int, k: int, n: int, bias: bool, policy: str, machine: MachineProfile
+) -> KernelChoice:
+    """oneDNN (chosen) or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``."""
+    if policy != LinearKernelPolicy.MEASURE:
+        return KernelChoice(
+            policy == LinearKernelPolicy.ONEDNN, None, None, f"linear_kernel={policy}"
+        )
+    labels = ("oneDNN", "MKL")
+    return _decide((m, k, n), bias, {}, machine, labels, lambda ops: (ops.onednn, ops.mkl))
+
+
+def choose_fused(
     m: int,
     k: int,
     n: int,
     bias: bool,
     policy: str,
     machine: MachineProfile,
-    activation: Activation | None = None,
+    activation: Activation,
+    unfused_onednn: bool,
 ) -> KernelChoice:
-    """oneDNN or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``, followed by
-    ``activation`` (fused into oneDNN's GEMM, a separate loop after MKL's) when given."""
-    if policy != LinearKernelPolicy.MEASURE:
-        forced = policy == LinearKernelPolicy.ONEDNN
-        return KernelChoice(forced, None, None, f"linear_kernel={policy}")
-    epilogue = activation.name if activation is not None else None
-    key = _cache_key((m, k, n), bias, epilogue, machine)
-    cached = _read_cache(key)
-    if cached is not None:
-        return cached
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    """Whether oneDNN's GEMM with ``activation`` fused beats the unfused linear (the library
+    :func:`choose` picked, ``unfused_onednn``) followed by the activation as a separate loop.
 
-    with unset_fake_temporarily(), torch.no_grad():
-        onednn, mkl = _calls(m, k, n, bias, activation)
-        timer = _TIMER[-1] if _TIMER else _default_timer
-        onednn_s, mkl_s = timer(onednn, mkl)
-    choice = KernelChoice(onednn_s <= (1 - MIN_GAIN) * mkl_s, onednn_s, mkl_s, "measured")
-    _write_cache(key, choice, (m, k, n), epilogue)
-    log.info("linear %dx%dx%d (bias %s, %s): %s", m, k, n, bias, epilogue, choice.describe())
-    return choice
+    The separate loop is timed as the eager ATen kernel, a little faster than Inductor's loop for
+    the same activation (measured 0.6-0.85x of its time as standalone calls): if anything the
+    comparison favours not fusing."""
+    library = "oneDNN" if unfused_onednn else "MKL"
+    labels = (f"oneDNN + {activation.name} fused", f"{library}, then {activation.name}")
+    if policy != LinearKernelPolicy.MEASURE:
+        chosen = policy == LinearKernelPolicy.ONEDNN
+        return KernelChoice(chosen, None, None, f"linear_kernel={policy}", *labels)
+    extra = {"activation": activation.name, "unfused": library}
+
+    def calls(ops: _Operands) -> tuple[Callable[[], object], Callable[[], object]]:
+        unfused = ops.onednn if unfused_onednn else ops.mkl
+        return (lambda: ops.onednn(activation)), (lambda: activation.reference(unfused()))
+
+    return _decide((m, k, n), bias, extra, machine, labels, calls)
 
 
 def _default_timer(onednn: Callable[[], object], mkl: Callable[[], object]) -> tuple[float, float]:
@@ -231,15 +277,17 @@ class LinearKernelPass(MFusionPass):
             raise Refusal("this torch build has no oneDNN")
         (m, k), n = x_val.shape, w_val.shape[0]
         machine, has_bias = config.resolved_machine(), bias is not None
+        plain = choose(m, k, n, has_bias, config.linear_kernel, machine)
         epilogue = _epilogue(node)
         if epilogue is not None:
-            fused = choose(m, k, n, has_bias, config.linear_kernel, machine, epilogue.activation)
-            if fused.onednn:
+            fused = choose_fused(
+                m, k, n, has_bias, config.linear_kernel, machine, epilogue.activation, plain.chosen
+            )
+            if fused.chosen:
                 return self._rewrite(node, root, weight, (m, k, n), fused, epilogue)
-        choice = choose(m, k, n, has_bias, config.linear_kernel, machine)
-        if not choice.onednn:
-            raise Refusal(f"MKL kept: {choice.describe()}")
-        return self._rewrite(node, root, weight, (m, k, n), choice, None)
+        if not plain.chosen:
+            raise Refusal(f"MKL kept: {plain.describe()}")
+        return self._rewrite(node, root, weight, (m, k, n), plain, None)
 
     @staticmethod
     def _rewrite(
