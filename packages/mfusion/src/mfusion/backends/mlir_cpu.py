@@ -119,6 +119,7 @@ class MLIRCPUBackend(KernelBackend):
         no slower than Inductor's kernel for it (:func:`mfusion.mlir.choice.decide`)."""
         from mfusion.machine import MachineProfile
         from mfusion.mlir.choice import decide
+        from mfusion.mlir.flatten import flatten_gemm_region
         from mfusion.mlir.importer import import_region
         from mfusion.mlir.runtime import CompiledRegion, compiled_region, region_key
 
@@ -132,8 +133,12 @@ class MLIRCPUBackend(KernelBackend):
         outputs = [o.meta["val"] for o in region.outputs]
         if any(v.dtype not in _NAMES for v in outputs):
             return "an output dtype has no JIT mapping"
+        module = region.module
+        if kind is RegionKind.MATMUL:
+            # 3-D views around the matmul keep the GEMM lowering off (scalar fallback)
+            module = flatten_gemm_region(module) or module
         try:
-            ir = import_region(region.module)
+            ir = import_region(module)
         except Exception as error:  # torch-mlir reports import failures as generic errors
             return f"torch-mlir could not import the region: {_first_line(error)}"
         compiled: CompiledRegion | None = None

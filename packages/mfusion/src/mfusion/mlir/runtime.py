@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
+import re
 import threading
 from typing import Any
 
@@ -59,6 +61,8 @@ class CompiledRegion:
         self.engine = ExecutionEngine(module, opt_level=opt_level)
         self._entry = self.engine.lookup(REGION_FUNC)
         self._local = threading.local()
+        self.shapes = signature_shapes(torch_backend_asm)
+        """Shapes of the kernel's arguments then results (None: not read from the IR)."""
 
     def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         # The region was compiled for identity layouts: make inputs contiguous (a no-op when
@@ -73,7 +77,7 @@ class CompiledRegion:
             packs = self._local.packs = {}
         pack = packs.get(key)
         if pack is None:
-            descriptors = [memref_of(t) for t in tensors]
+            descriptors = [memref_of(self._as_compiled(i, t)) for i, t in enumerate(tensors)]
             pointers = [ctypes.pointer(d) for d in descriptors]
             packed = (ctypes.c_void_p * len(pointers))()
             for i, pointer in enumerate(pointers):
@@ -83,6 +87,38 @@ class CompiledRegion:
         for descriptor, tensor in zip(descriptors, tensors, strict=True):
             descriptor.allocated = descriptor.aligned = tensor.data_ptr()
         self._entry(packed)
+
+    def _as_compiled(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` viewed in the shape the kernel was compiled for: a matmul region compiled
+        in its 2-D form (:mod:`mfusion.mlir.flatten`) takes the graph's 3-D tensors as the same
+        memory with merged leading dims (same data pointer, so the descriptor built here stays
+        valid for every call with this layout)."""
+        if self.shapes is None or index >= len(self.shapes):
+            return tensor
+        shape = self.shapes[index]
+        if tuple(tensor.shape) == shape:
+            return tensor
+        if tensor.numel() != math.prod(shape) or not tensor.is_contiguous():
+            raise ValueError(
+                f"argument {index} has shape {tuple(tensor.shape)}, the kernel takes {shape}"
+            )
+        return tensor.view(shape)
+
+
+_SIGNATURE = re.compile(rf"func\.func @{REGION_FUNC}\((.*)$", re.MULTILINE)
+_TENSOR_TYPE = re.compile(r"!torch\.vtensor<\[([0-9,]*)\],")
+
+
+def signature_shapes(torch_backend_asm: str) -> list[tuple[int, ...]] | None:
+    """Static shapes of the region function's tensor arguments then results, read from its
+    torch backend IR signature; None where the signature is missing or has a dynamic dim."""
+    found = _SIGNATURE.search(torch_backend_asm)
+    if found is None or "?" in found.group(1):
+        return None
+    return [
+        tuple(int(d) for d in dims.split(",")) if dims else ()
+        for dims in _TENSOR_TYPE.findall(found.group(1))
+    ]
 
 
 def region_key(torch_backend_asm: str) -> str:
