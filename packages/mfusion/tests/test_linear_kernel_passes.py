@@ -181,7 +181,6 @@ ACTIVATION_FORMS = {
     "nn.GELU(tanh)": ("gelu-tanh", lambda m, x: F.gelu(m.proj(x), approximate="tanh")),
     "tanh GELU by hand": ("gelu-tanh", _tanh_gelu_by_hand),
     "F.silu": ("silu", lambda m, x: F.silu(m.proj(x))),
-    "SwiGLU gate": ("silu", lambda m, x: F.silu(m.gate(x)) * m.proj(x)),
     "relu": ("relu", lambda m, x: torch.relu(m.proj(x))),
 }
 
@@ -219,6 +218,7 @@ def test_activation_behind_a_linear_runs_in_onednn_epilogue_and_equals_eager(for
     [
         "pre-activation also used",
         "activation plus a residual",
+        "SwiGLU gate",
         "sigmoid (no post-op)",
         "GELU with a wrong constant",
     ],
@@ -229,6 +229,8 @@ def test_outputs_that_are_not_one_activation_keep_a_plain_gemm(form, cache):
             m.proj(x)
         ),
         "activation plus a residual": lambda m, x: (lambda h: h + F.gelu(h))(m.proj(x)),
+        # SiLU feeding SwiGLU's product is computed inside the product's loop: no pass to save.
+        "SwiGLU gate": lambda m, x: F.silu(m.proj(x)) * m.gate(x),
         "sigmoid (no post-op)": lambda m, x: torch.sigmoid(m.proj(x)),
         "GELU with a wrong constant": lambda m, x: (lambda h: 0.5 * h * (1 + torch.erf(h * 0.8)))(
             m.proj(x)
@@ -236,13 +238,12 @@ def test_outputs_that_are_not_one_activation_keep_a_plain_gemm(form, cache):
     }[form]
     out, expected, moved = _compile_head(activation, linear_kernel="onednn")
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    assert [d.reason for d in moved] == [
-        "oneDNN packed GEMM 24x48x64: oneDNN (linear_kernel=onednn)"
-    ]
+    plain = "oneDNN packed GEMM 24x48x64: oneDNN (linear_kernel=onednn)"
+    assert moved and all(d.reason == plain for d in moved)  # SwiGLU: both linears, unfused
 
 
 class SequenceTimer:
-    """Fixed (oneDNN, MKL) times per measurement, in the order the pass asks for them."""
+    """Fixed (candidate, baseline) times per measurement, in the order the pass asks for them."""
 
     def __init__(self, *times: tuple[float, float]) -> None:
         self.times = list(times)

@@ -18,12 +18,12 @@ time, from the frozen constant, and shared by every linear that reads it.
 
 Where the linear's output goes only through an activation oneDNN can apply to its output tile
 (ReLU, erf- or tanh-GELU, SiLU; recognised by what the subgraph computes, see
-:mod:`mfusion.passes._activation`), the measurement is oneDNN's GEMM with the activation fused
-against MKL's GEMM followed by the activation, and a faster fused form replaces both: the
-activation is then applied while the tile is in registers instead of in a second pass over the
-result. Measured on the same CPU, one thread: 0.77-0.85x of MKL + activation at the MLP shapes
-of the real models (256 x 256 -> 1024 GELU, 256 x 256 -> 688 SiLU), where oneDNN's plain GEMM
-took 0.89-0.93x. A fused form that is not faster falls back to the plain-GEMM choice.
+:mod:`mfusion.passes._activation`) and that activation is a loop of its own in Inductor's code
+(its result feeds the next GEMM, as in a transformer MLP, not another element-wise op), a second
+measurement times oneDNN's GEMM with the activation fused against the unfused GEMM the first
+one picked followed by the activation; a fused form at least :data:`MIN_GAIN` faster replaces
+both, applying the activation while the tile is in registers instead of in a second pass over
+the result.
 
 ``MFusionConfig.linear_kernel``: ``measure`` (default), ``onednn`` (always, where the form
 allows), ``inductor`` (keep MKL). Inference only: the MKL form exists only for frozen weights.
@@ -344,10 +344,26 @@ def _epilogue(linear: fx.Node) -> Epilogue | None:
         if is_op(user, *RESHAPES):
             view = source = user
     found = activation_after(source)
-    if found is None:
+    if found is None or not _own_loop(found[1]):
         return None
     activation, output = found
     return Epilogue(activation, view, output)
+
+
+GEMMS = (*MKL_LINEAR, ONEDNN_LINEAR, torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _own_loop(activation: fx.Node) -> bool:
+    """True when Inductor would give the activation a loop of its own: its result (or a reshape
+    of it) only feeds GEMMs or leaves the graph. Where it feeds another element-wise op (SwiGLU's
+    product, a residual add), Inductor computes it inside that op's loop, so fusing it into the
+    GEMM saves no pass over memory, and timing it as a separate loop would overstate the gain."""
+    for user in activation.users:
+        if user.op == "output" or is_op(user, *GEMMS):
+            continue
+        if not (is_op(user, *RESHAPES) and _own_loop(user)):
+            return False
+    return True
 
 
 def _packed_constant(root: torch.nn.Module, weight: fx.Node, batch: int) -> fx.Node:
