@@ -12,7 +12,7 @@ import torch
 from mfusion import MFusionConfig
 from mfusion.autofuse.fuse import auto_fuse
 from mfusion.mlir import choice
-from mfusion.mlir.gemm import largest_divisor
+from mfusion.mlir.gemm import gemm_script, largest_divisor, row_block
 from mfusion.mlir.importer import import_region
 from mfusion.mlir.pipeline import lower_to_llvm
 from mfusion.mlir.runtime import CompiledRegion
@@ -44,10 +44,14 @@ def mm_relu_residual(x, w, r):
 CASES = {
     # blocks divide: 4-row blocks, 16-column panels
     "linear_gelu_erf_16x64x96": (linear_gelu_erf, (16, 64, 96), True),
-    # M, N, K not multiples of 4/16/8: smaller divisors (M 15 -> 3 rows, N 20 -> 10, K 37)
+    # M, N, K not multiples of 4/16/8: 4-row blocks and a peeled 3-row block, N 20 -> 10-column
+    # panels, K 37
     "linear_gelu_erf_15x37x20": (linear_gelu_erf, (15, 37, 20), True),
-    # prime M and N: 1-row blocks, 1-column panels, still correct
+    # prime M and N: 4-row blocks and a 1-row remainder, 1-column panels, still correct
     "mm_gelu_tanh_13x29x7": (mm_gelu_tanh, (13, 29, 7), False),
+    # a ViT-like token count (197 = 49 x 4 + 1) and M below one block
+    "linear_gelu_erf_197x24x32": (linear_gelu_erf, (197, 24, 32), True),
+    "mm_relu_residual_3x16x32": (mm_relu_residual, (3, 16, 32), False),
     # K == M: the packed weight must not share the output's buffer
     "linear_silu_64x64x64": (linear_silu, (64, 64, 64), True),
     "mm_relu_residual_24x100x72": (mm_relu_residual, (24, 100, 72), False),
@@ -100,6 +104,17 @@ def test_gemm_region_is_not_split_into_row_blocks(harness):
 )
 def test_largest_divisor(extent, limit, expected):
     assert largest_divisor(extent, limit) == expected
+
+
+@pytest.mark.parametrize(
+    ("m", "expected"),
+    [(256, (4, False)), (197, (4, True)), (13, (4, True)), (4, (4, False)), (3, (3, False))],
+)
+def test_row_blocks_peel_a_ragged_last_block(m, expected):
+    """Rows that are not a multiple of the block keep full blocks (not 1-row ones, as a
+    divisor would give 13 or 197) and run the remainder in a peeled loop."""
+    assert row_block(m) == expected
+    assert ("transform.loop.peel" in gemm_script(m, 32, 16, True)) is expected[1]
 
 
 class FixedTimer:

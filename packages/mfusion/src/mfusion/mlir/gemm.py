@@ -16,10 +16,13 @@ transform dialect then builds the usual CPU GEMM loop nest:
 - the epilogue is vectorised on the M_block x N_panel accumulator, so the result is written
   once.
 
-Tile sizes are divisors of the shapes (no partial tiles, so no masks): a shape without a good
-divisor gets smaller blocks, and is slower; the measured choice (:mod:`mfusion.mlir.choice`)
-keeps such regions with Inductor. No K blocking for L2, no threads: MKL/oneDNN's GEMM is
-usually faster, which is what the choice measures.
+Rows come in :data:`BLOCK_M`-row blocks whatever M is: the loop over them is peeled, so the
+last ``M % BLOCK_M`` rows run in a loop of their own with static sizes (no masks). Taking the
+largest divisor of M instead gave 1-row blocks for a prime M (197 tokens, 13), at 2-2.3x the
+time of peeled blocks on the AVX2 CPU. Panels and transpose steps are still divisors of N and
+K: an N without a good divisor gets narrower panels, and is slower; the measured choice
+(:mod:`mfusion.mlir.choice`) keeps such regions with Inductor. No K blocking for L2, no
+threads: MKL/oneDNN's GEMM is usually faster, which is what the choice measures.
 """
 
 from __future__ import annotations
@@ -89,16 +92,27 @@ def _fresh_destination(transpose: ir.Operation) -> None:
     transpose.operands[1] = fresh.result
 
 
+def row_block(m: int) -> tuple[int, bool]:
+    """``(rows per block, peel)``: :data:`BLOCK_M`-row blocks, the ragged last block of M
+    peeled into a loop of its own (``peel``), or M itself when it is smaller than a block."""
+    if m <= BLOCK_M:
+        return m, False
+    return BLOCK_M, m % BLOCK_M != 0
+
+
 def gemm_script(m: int, n: int, k: int, transposed: bool) -> str:
-    """The transform sequence: panels over N (pack fused), row blocks over M, K steps of 1,
-    vectorise, keep the accumulator in registers, lower contractions to outer products."""
-    block_m, panel_n = largest_divisor(m, BLOCK_M), largest_divisor(n, PANEL_N)
+    """The transform sequence: panels over N (pack fused), row blocks over M (a ragged last
+    block peeled), K steps of 1, vectorise, keep the accumulator in registers, lower
+    contractions to outer products."""
+    block_m, peel = row_block(m)
+    panel_n = largest_divisor(n, PANEL_N)
     rows = largest_divisor(k, TRANSPOSE_ROWS)
     op = "!transform.any_op"
+    loop = '!transform.op<"scf.for">'
     pair = f"({op}, {op}) -> ({op}, {op})"
 
-    def match(name: str, what: str) -> str:
-        return f'%{name} = transform.structured.match ops{{["{what}"]}} in %root : ({op}) -> {op}'
+    def match(name: str, what: str, where: str = "%root") -> str:
+        return f'%{name} = transform.structured.match ops{{["{what}"]}} in {where} : ({op}) -> {op}'
 
     lines = [
         "module attributes {transform.with_named_sequence} {",
@@ -122,9 +136,24 @@ def gemm_script(m: int, n: int, k: int, transposed: bool) -> str:
         f": ({op}) -> ({op}, {op})",
         f"%mm_b, %b1 = transform.structured.fuse_into_containing_op %mm_n into %block : {pair}",
         f"%fill_b, %b2 = transform.structured.fuse_into_containing_op %fill_n into %b1 : {pair}",
-        f"%mm_k, %kloop = transform.structured.tile_using_for %mm_b tile_sizes [0, 0, 1] "
-        f": ({op}) -> ({op}, {op})",
         match("func", "func.func"),
+    ]
+    if peel:
+        # full blocks in one loop, the last M % BLOCK_M rows in a second: both static-sized
+        # after canonicalisation, so both vectorise without masks
+        lines += [
+            f"%rows = transform.cast %b2 : {op} to {loop}",
+            f"%full, %rest = transform.loop.peel %rows : ({loop}) -> ({op}, {op})",
+            "transform.apply_patterns to %func {",
+            "  transform.apply_patterns.canonicalization",
+            f"}} : {op}",
+        ]
+    # from here on every matmul, fill, epilogue and transpose of the function (one of each,
+    # or one per row loop when the last block was peeled)
+    lines += [
+        match("mms", "linalg.matmul", "%func"),
+        f"%mm_k, %kloop = transform.structured.tile_using_for %mms tile_sizes [0, 0, 1] "
+        f": ({op}) -> ({op}, {op})",
         # the packed panel gets its own K x N_panel buffer, not a slice of a K x N tensor
         "transform.apply_patterns to %func {",
         "  transform.apply_patterns.tensor.fold_tensor_empty",
@@ -132,14 +161,17 @@ def gemm_script(m: int, n: int, k: int, transposed: bool) -> str:
     ]
     if transposed:
         lines += [
-            f"%tr_r, %trloop = transform.structured.tile_using_for %tr_n tile_sizes [{rows}, 0] "
+            match("trs", "linalg.transpose", "%func"),
+            f"%tr_r, %trloop = transform.structured.tile_using_for %trs tile_sizes [{rows}, 0] "
             f": ({op}) -> ({op}, {op})",
             f"transform.structured.vectorize %tr_r : {op}",
         ]
     lines += [
+        match("fills", "linalg.fill", "%func"),
+        match("epis", "linalg.generic", "%func"),
         f"transform.structured.vectorize %mm_k : {op}",
-        f"transform.structured.vectorize %fill_b : {op}",
-        f"transform.structured.vectorize %epi_b : {op}",
+        f"transform.structured.vectorize %fills : {op}",
+        f"transform.structured.vectorize %epis : {op}",
         "transform.apply_patterns to %func {",
         "  transform.apply_patterns.vector.cast_away_vector_leading_one_dim",
         "  transform.apply_patterns.vector.transfer_permutation_patterns",
