@@ -106,10 +106,16 @@ SLOW_RESUMES = {"to-ep": "ep=2,dp_shard=2", "to-pp-ep": "pp=2,ep=2"}
 
 
 @pytest.fixture(scope="module")
-def default_runs(tmp_path_factory, fsdp_folder) -> dict[str, TrainResult]:
+def default_folder(tmp_path_factory) -> Path:
+    """Out-dirs of the default launch's layout runs (``<folder>/<key>``)."""
+    return tmp_path_factory.mktemp("default")
+
+
+@pytest.fixture(scope="module")
+def default_runs(default_folder, fsdp_folder) -> dict[str, TrainResult]:
     """One 4-rank launch: the FSDP reference, then the default layouts, then the default
     resume from the reference's step-10 checkpoint (keyed by test id; "fsdp" the reference)."""
-    root = tmp_path_factory.mktemp("default")
+    root = default_folder
     jobs = {"fsdp": _fsdp_job(fsdp_folder)}
     jobs |= {key: _layout_job(root / key, *layout) for key, layout in DEFAULT_LAYOUTS.items()}
     jobs |= {key: _resume_job(root / key, m, fsdp_folder) for key, m in DEFAULT_RESUMES.items()}
@@ -117,16 +123,17 @@ def default_runs(tmp_path_factory, fsdp_folder) -> dict[str, TrainResult]:
 
 
 @pytest.fixture(scope="module")
-def slow_runs(tmp_path_factory, fsdp_folder, default_runs) -> dict[str, TrainResult]:
-    """One 4-rank launch for every slow-marked 4-rank check (after the reference exists): the
-    other layouts, the other resumes, and ep=2 -> ep=4 (4 steps of ep=2; 2 steps of ep=2,
-    resumed with ep=4 to step 4)."""
+def slow_runs(
+    tmp_path_factory, fsdp_folder, default_folder, default_runs
+) -> dict[str, TrainResult]:
+    """One 4-rank launch for every slow-marked 4-rank check (after the default runs exist): the
+    other layouts, the other resumes, and ep=2 -> ep=4 (the default ep=2 run's step-10
+    checkpoint resumed with ep=4 for 2 steps; that run itself is the uninterrupted ep=2 one)."""
     root = tmp_path_factory.mktemp("slow")
     jobs = {key: _layout_job(root / key, *layout) for key, layout in SLOW_LAYOUTS.items()}
     jobs |= {key: _resume_job(root / key, m, fsdp_folder) for key, m in SLOW_RESUMES.items()}
-    jobs["ep2-full"] = _Job(_config(root / "full", "ep=2,dp_shard=2", "steps=4"))
-    jobs["ep2-part"] = _Job(_config(root / "part", "ep=2,dp_shard=2", "steps=2"))
-    jobs["ep4-rest"] = _Job(_config(root / "part", "ep=4", "steps=4"), resume=True)
+    ep2 = (default_folder / "ep", STEP10)
+    jobs["ep4-rest"] = _Job(_config(root / "ep4-rest", "ep=4", "steps=12"), True, ep2)
     return dict(zip(jobs, _launch(list(jobs.values())), strict=True))
 
 
@@ -188,9 +195,9 @@ def test_fsdp_checkpoint_resumes_with_another_layout(request, default_runs, key)
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_resumes_with_more_expert_ranks(slow_runs):
+def test_expert_parallel_checkpoint_resumes_with_more_expert_ranks(default_runs, slow_runs):
     """ep=2 -> ep=4: experts stored on 2 ranks each reload spread over 4 and the loss continues
     as the uninterrupted ep=2 run."""
-    full = slow_runs["ep2-full"].train_losses
-    assert slow_runs["ep4-rest"].first_step == 2
-    assert slow_runs["ep4-rest"].train_losses == pytest.approx(full[2:], abs=1e-4)
+    full = default_runs["ep"].train_losses
+    assert slow_runs["ep4-rest"].first_step == 10
+    assert slow_runs["ep4-rest"].train_losses == pytest.approx(full[10:12], abs=1e-4)
