@@ -25,6 +25,29 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfusio
 os.environ.setdefault("MFUSION_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-cache-"))
 
 
+class FixedTimer:
+    """The timer of a measured choice (mlir-cpu regions, whole graphs, GEMM libraries) with fixed
+    answers: runs both calls once (they must work; with ``agree``, return the same values) and
+    reports the given per-call times, so no decision depends on the speed of the test machine."""
+
+    def __init__(self, first_s: float, second_s: float, agree: bool = False) -> None:
+        self.times = (first_s, second_s)
+        self.agree = agree
+        self.calls = 0
+
+    def __call__(self, first: Any, second: Any) -> tuple[float, float]:
+        self.calls += 1
+        results = first(), second()
+        if self.agree:
+            torch.testing.assert_close(*results, rtol=1e-4, atol=1e-4)
+        return self.times
+
+
+def failing_timer(first: Any, second: Any) -> tuple[float, float]:
+    """A timer for where a cached decision must be used: any measurement fails the test."""
+    raise AssertionError("the cached decision should have been used")
+
+
 class PassHarness:
     """Trace functions to aten graphs and run single passes on them, like Inductor's post-grad
     stage would; plus fixed machine profiles so machine-dependent outcomes never depend on the CPU,
@@ -41,6 +64,9 @@ class PassHarness:
             fast_bf16_gemm=True,
         )
         self.AVX2 = MachineProfile(arch="x86_64", cpu_model="test AVX2", cpu_capability="AVX2")
+
+    fixed_timer = FixedTimer
+    failing_timer = staticmethod(failing_timer)
 
     def machine(self, name: str, overrides: dict[str, Any] | None = None) -> Any:
         """The named fixed profile (``"AVX512_BF16"``, ``"AVX2"``) with fields replaced."""

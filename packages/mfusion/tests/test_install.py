@@ -272,21 +272,9 @@ def test_training_gradients_match_eager():
     assert mfusion.report()[0].rewritten("rmsnorm") == 1
 
 
-class _FixedTimer:
-    """Runs both calls once (they must work) and reports fixed per-call times."""
-
-    def __init__(self, first_s: float, second_s: float) -> None:
-        self.times = (first_s, second_s)
-
-    def __call__(self, first, second):
-        first()
-        second()
-        return self.times
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
-def test_mlir_cpu_whole_graph_check_inside_a_real_compile(train, tmp_path, monkeypatch):
+def test_mlir_cpu_whole_graph_check_inside_a_real_compile(train, harness, tmp_path, monkeypatch):
     """The measured choice inside torch.compile, forward and (training) backward graph: each
     graph with an outlined region is compiled again standalone with and without it (nested in
     Inductor's own compile, FX graph cache and Triton bundling active) and the verdict is
@@ -308,7 +296,7 @@ def test_mlir_cpu_whole_graph_check_inside_a_real_compile(train, tmp_path, monke
         inductor_config.patch(fx_graph_cache=False),
         functorch_config.patch(enable_autograd_cache=False),
         mfusion.enabled(backend="mlir-cpu"),
-        choice.use_timer(_FixedTimer(1e-6, 2e-6)),
+        choice.use_timer(harness.fixed_timer(1e-6, 2e-6)),
     ):
         out = torch.compile(fn)(x, w)
         if train:

@@ -25,23 +25,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class FixedTimer:
-    """Runs both GEMMs once (they must agree) and reports fixed per-call times."""
-
-    def __init__(self, onednn_s: float, mkl_s: float) -> None:
-        self.times = (onednn_s, mkl_s)
-        self.calls = 0
-
-    def __call__(self, onednn_call, mkl_call):
-        self.calls += 1
-        torch.testing.assert_close(onednn_call(), mkl_call(), rtol=1e-4, atol=1e-4)
-        return self.times
-
-
-def _fail_timer(onednn_call, mkl_call):
-    raise AssertionError("the cached decision should have been used")
-
-
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
@@ -50,21 +33,22 @@ def cache(tmp_path, monkeypatch):
 
 def test_measured_choice_takes_onednn_only_when_clearly_faster_and_caches_it(harness, cache):
     machine = harness.machine("AVX2")
-    with linear_kernel.use_timer(FixedTimer(0.90e-3, 1.00e-3)):
+    with linear_kernel.use_timer(harness.fixed_timer(0.90e-3, 1.00e-3, agree=True)):
         faster = linear_kernel.choose(32, 48, 64, True, "measure", machine)
     assert faster.chosen and faster.source == "measured"
-    with linear_kernel.use_timer(FixedTimer(0.99e-3, 1.00e-3)):  # within MIN_GAIN: a tie
+    tie_timer = harness.fixed_timer(0.99e-3, 1.00e-3, agree=True)  # within MIN_GAIN: a tie
+    with linear_kernel.use_timer(tie_timer):
         tie = linear_kernel.choose(32, 48, 64, False, "measure", machine)
     assert not tie.chosen and "ratio 0.99" in tie.describe()
     files = sorted(cache.glob("*.json"))
     assert len(files) == 2
     assert {tuple(json.loads(f.read_text())["mkn"]) for f in files} == {(32, 48, 64)}
 
-    with linear_kernel.use_timer(_fail_timer):
+    with linear_kernel.use_timer(harness.failing_timer):
         again = linear_kernel.choose(32, 48, 64, True, "measure", machine)
     assert again.chosen and again.source == "cache"
     other_machine = harness.machine("AVX2", {"threads": 2})  # another profile measures again
-    timer = FixedTimer(1.2e-3, 1.0e-3)
+    timer = harness.fixed_timer(1.2e-3, 1.0e-3, agree=True)
     with linear_kernel.use_timer(timer):
         assert not linear_kernel.choose(32, 48, 64, True, "measure", other_machine).chosen
     assert timer.calls == 1
@@ -72,7 +56,7 @@ def test_measured_choice_takes_onednn_only_when_clearly_faster_and_caches_it(har
 
 def test_policies_other_than_measure_do_not_time(harness, cache):
     machine = harness.machine("AVX2")
-    with linear_kernel.use_timer(_fail_timer):
+    with linear_kernel.use_timer(harness.failing_timer):
         assert linear_kernel.choose(8, 8, 8, True, "onednn", machine).chosen
         assert not linear_kernel.choose(8, 8, 8, True, "inductor", machine).chosen
     assert not cache.exists()
@@ -113,22 +97,24 @@ def _decisions(report, rewritten):
 
 
 @pytest.mark.parametrize(
-    ("policy", "timer", "onednn"),
+    ("policy", "times", "onednn"),
     [
         ("onednn", None, True),
         ("inductor", None, False),
-        ("measure", FixedTimer(0.5e-3, 1.0e-3), True),
-        ("measure", FixedTimer(1.5e-3, 1.0e-3), False),
+        ("measure", (0.5e-3, 1.0e-3), True),
+        ("measure", (1.5e-3, 1.0e-3), False),
     ],
     ids=["forced-onednn", "kept", "measured-faster", "measured-slower"],
 )
-def test_frozen_linears_move_to_onednn_where_chosen_and_equal_eager(policy, timer, onednn, cache):
+def test_frozen_linears_move_to_onednn_where_chosen_and_equal_eager(
+    policy, times, onednn, harness, cache
+):
     with torch.no_grad():
         expected = MLP(X)
-    if timer is None:
+    if times is None:
         out, report = _compile_frozen(linear_kernel=policy)
     else:
-        with linear_kernel.use_timer(timer):
+        with linear_kernel.use_timer(harness.fixed_timer(*times, agree=True)):
             out, report = _compile_frozen(linear_kernel=policy)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     moved, kept = _decisions(report, True), _decisions(report, False)

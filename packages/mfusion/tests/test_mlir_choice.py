@@ -30,24 +30,6 @@ def softmax_gelu(x, b):
 ARGS = (torch.randn(8, 128), torch.randn(128))
 
 
-class FixedTimer:
-    """Runs both calls once (they must work) and reports fixed per-call times."""
-
-    def __init__(self, mlir_s: float, inductor_s: float) -> None:
-        self.times = (mlir_s, inductor_s)
-        self.calls = 0
-
-    def __call__(self, mlir_call, inductor_call):
-        self.calls += 1
-        mlir_call()
-        inductor_call()
-        return self.times
-
-
-def _fail_timer(mlir_call, inductor_call):
-    raise AssertionError("the cached decision should have been used")
-
-
 @pytest.fixture
 def decisions(tmp_path, monkeypatch):
     """A private decision cache, measured mode."""
@@ -66,7 +48,7 @@ def _fuse(harness, machine=None):
 
 @pytest.mark.slow
 def test_faster_region_is_outlined_cached_and_matches_eager(harness, decisions):
-    timer = FixedTimer(1e-6, 2e-6)
+    timer = harness.fixed_timer(1e-6, 2e-6)
     with choice.use_timer(timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 1 and timer.calls == 2  # the region, then the whole graph
@@ -80,7 +62,7 @@ def test_faster_region_is_outlined_cached_and_matches_eager(harness, decisions):
     torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-5, rtol=1e-5)
 
     # the same region again (a new trace): a cache hit, nothing measured
-    with choice.use_timer(_fail_timer):
+    with choice.use_timer(harness.failing_timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 1 and "(ratio 0.50, cache)" in record.regions[0].reason
     assert record.whole_graph.endswith("(ratio 0.500, cache)")
@@ -88,7 +70,7 @@ def test_faster_region_is_outlined_cached_and_matches_eager(harness, decisions):
 
 @pytest.mark.slow
 def test_slower_region_stays_with_inductor(harness, decisions):
-    timer = FixedTimer(3e-6, 2e-6)
+    timer = harness.fixed_timer(3e-6, 2e-6)
     with choice.use_timer(timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 0 and timer.calls == 1
@@ -96,13 +78,13 @@ def test_slower_region_stays_with_inductor(harness, decisions):
     assert not record.regions[0].outlined
     assert record.regions[0].reason.startswith("stays with Inductor, inductor: mlir 3.0 us")
     torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-6, rtol=1e-6)
-    with choice.use_timer(_fail_timer):  # the "no" is cached as well
+    with choice.use_timer(harness.failing_timer):  # the "no" is cached as well
         assert _fuse(harness)[1] == 0
 
 
 @pytest.mark.slow
 def test_another_machine_profile_measures_again(harness, decisions):
-    timer = FixedTimer(1e-6, 2e-6)
+    timer = harness.fixed_timer(1e-6, 2e-6)
     avx2 = harness.machine("AVX2")
     with choice.use_timer(timer):
         _fuse(harness, avx2)
@@ -117,7 +99,7 @@ def test_another_machine_profile_measures_again(harness, decisions):
 def test_slower_whole_graph_puts_the_regions_back_and_caches_that(harness, decisions):
     """A region faster alone, but the graph slower with it outlined: the region goes back into
     the graph for Inductor (same nodes, same result), the report says why, the "no" is cached."""
-    region_timer, graph_timer = FixedTimer(1e-6, 2e-6), FixedTimer(3e-3, 2e-3)
+    region_timer, graph_timer = harness.fixed_timer(1e-6, 2e-6), harness.fixed_timer(3e-3, 2e-3)
     with choice.use_timer(region_timer), choice.use_graph_timer(graph_timer):
         gm, outlined, record = _fuse(harness)
     assert (region_timer.calls, graph_timer.calls) == (1, 1)
@@ -134,7 +116,7 @@ def test_slower_whole_graph_puts_the_regions_back_and_caches_that(harness, decis
     assert ops == sorted(str(n.target) for n in plain.graph.nodes if n.op == "call_function")
     torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-6, rtol=1e-6)
 
-    with choice.use_timer(_fail_timer):
+    with choice.use_timer(harness.failing_timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 0 and record.whole_graph.endswith("(ratio 1.500, cache)")
 
@@ -147,7 +129,7 @@ def test_graph_that_fails_to_compile_keeps_inductors_form(harness, decisions, mo
         raise AssertionError("packed_w must be a graph constant")
 
     monkeypatch.setattr(choice, "graph_kernel", broken)
-    with choice.use_timer(FixedTimer(1e-6, 2e-6)):
+    with choice.use_timer(harness.fixed_timer(1e-6, 2e-6)):
         gm, outlined, record = _fuse(harness)
     assert outlined == 0 and harness.count(gm, REGION_OP) == 0
     assert record.whole_graph.startswith("regions put back: the graph did not compile or run")
@@ -184,12 +166,12 @@ def test_unreadable_cache_entry_is_a_miss(tmp_path, harness):
 
 def test_choice_override_and_refusal(harness, decisions, monkeypatch):
     monkeypatch.setenv("MFUSION_MLIR_CHOICE", "never")
-    with choice.use_timer(_fail_timer):
+    with choice.use_timer(harness.failing_timer):
         _, outlined, record = _fuse(harness)
     assert outlined == 0 and "MFUSION_MLIR_CHOICE=never" in record.regions[0].reason
     assert not decisions.exists()
     monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")  # outlined without any timing
-    with choice.use_timer(_fail_timer):
+    with choice.use_timer(harness.failing_timer):
         _, outlined, record = _fuse(harness)
     assert outlined == 1 and record.whole_graph == ""
     assert not decisions.exists()

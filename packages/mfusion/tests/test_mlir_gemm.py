@@ -117,20 +117,6 @@ def test_row_blocks_peel_a_ragged_last_block(m, expected):
     assert ("transform.loop.peel" in gemm_script(m, 32, 16, True)) is expected[1]
 
 
-class FixedTimer:
-    """Runs both calls once (they must work) and reports fixed per-call times."""
-
-    def __init__(self, mlir_s: float, inductor_s: float) -> None:
-        self.times = (mlir_s, inductor_s)
-        self.calls = 0
-
-    def __call__(self, mlir_call, inductor_call):
-        self.calls += 1
-        mlir_call()
-        inductor_call()
-        return self.times
-
-
 @pytest.fixture
 def decisions(tmp_path, monkeypatch):
     """A private decision cache, measured mode."""
@@ -152,7 +138,7 @@ def _fuse(harness):
 
 @pytest.mark.slow
 def test_slower_gemm_region_stays_with_inductor(harness, decisions):
-    timer = FixedTimer(3e-6, 2e-6)
+    timer = harness.fixed_timer(3e-6, 2e-6)
     with choice.use_timer(timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 0 and timer.calls == 1
@@ -165,7 +151,7 @@ def test_slower_gemm_region_stays_with_inductor(harness, decisions):
 
 @pytest.mark.slow
 def test_faster_gemm_region_is_outlined_and_matches_eager(harness, decisions):
-    timer = FixedTimer(1e-6, 2e-6)
+    timer = harness.fixed_timer(1e-6, 2e-6)
     with choice.use_timer(timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 1 and record.regions[0].kind == "matmul"
