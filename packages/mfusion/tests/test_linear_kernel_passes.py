@@ -71,19 +71,19 @@ MLP = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 40, bias=False))
 X = torch.randn(24, 48)
 
 
-def _compile_frozen(**options):
-    """The MLP compiled with freezing (weights become constants Inductor packs for MKL)."""
+def _compile_frozen(module, x, **options):
+    """``module(x)`` compiled with freezing (weights become constants Inductor packs for MKL)."""
     torch._dynamo.reset()
     mfusion.clear_report()
     compiled = torch.compile(
-        MLP,
+        module,
         options={
-            **mfusion.compile_options(passes=("linear_kernel",), auto_fuse=False, **options),
+            **mfusion.compile_options(auto_fuse=False, **options),
             "fx_graph_cache": False,
         },
     )
     with torch.no_grad(), inductor_config.patch(freezing=True):
-        out = compiled(X)
+        out = compiled(x)
     return out, mfusion.report()
 
 
@@ -112,10 +112,10 @@ def test_frozen_linears_move_to_onednn_where_chosen_and_equal_eager(
     with torch.no_grad():
         expected = MLP(X)
     if times is None:
-        out, report = _compile_frozen(linear_kernel=policy)
+        out, report = _compile_frozen(MLP, X, passes=("linear_kernel",), linear_kernel=policy)
     else:
         with linear_kernel.use_timer(harness.fixed_timer(*times, agree=True)):
-            out, report = _compile_frozen(linear_kernel=policy)
+            out, report = _compile_frozen(MLP, X, passes=("linear_kernel",), linear_kernel=policy)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     moved, kept = _decisions(report, True), _decisions(report, False)
     if onednn:
@@ -172,20 +172,13 @@ ACTIVATION_FORMS = {
 
 
 def _compile_head(activation, **options):
-    torch._dynamo.reset()
-    mfusion.clear_report()
+    """A linear + ``activation`` head compiled frozen with every pass (the activation reaches
+    ``linear_kernel`` in the form the earlier passes leave), its eager output, and the rewrites."""
     module, x = _Head(activation).eval(), torch.randn(2, 12, 48)
-    compiled = torch.compile(
-        module,
-        options={
-            **mfusion.compile_options(auto_fuse=False, **options),
-            "fx_graph_cache": False,
-        },
-    )
-    with torch.no_grad(), inductor_config.patch(freezing=True):
-        out = compiled(x)
+    out, report = _compile_frozen(module, x, **options)
+    with torch.no_grad():
         expected = module(x)
-    return out, expected, _decisions(mfusion.report(), True)
+    return out, expected, _decisions(report, True)
 
 
 @pytest.mark.parametrize("form", list(ACTIVATION_FORMS))
