@@ -65,6 +65,11 @@ def linear_gelu(x, w, b):
     return 0.5 * y * (1 + torch.erf(y * 0.7071067811865476))
 
 
+def _linear_args(k: int, n: int) -> tuple[torch.Tensor, ...]:
+    """Activations ``[TOKENS, k]``, a ``[n, k]`` weight scaled to keep outputs O(1), a bias."""
+    return torch.randn(TOKENS, k), torch.randn(n, k) / k**0.5, torch.randn(n)
+
+
 def softmax_scaled(s, mask):
     s = s * 0.125 + mask
     e = torch.exp(s - s.amax(-1, keepdim=True))
@@ -94,24 +99,8 @@ REGIONS: dict[str, tuple[str, Callable[..., object], Callable[[], tuple[torch.Te
             torch.randn(HIDDEN),
         ),
     ),
-    "linear_gelu_up": (
-        "matmul",
-        linear_gelu,
-        lambda: (
-            torch.randn(TOKENS, HIDDEN),
-            torch.randn(MLP, HIDDEN) / HIDDEN**0.5,
-            torch.randn(MLP),
-        ),
-    ),
-    "linear_gelu_down": (
-        "matmul",
-        linear_gelu,
-        lambda: (
-            torch.randn(TOKENS, MLP),
-            torch.randn(HIDDEN, MLP) / MLP**0.5,
-            torch.randn(HIDDEN),
-        ),
-    ),
+    "linear_gelu_up": ("matmul", linear_gelu, lambda: _linear_args(HIDDEN, MLP)),
+    "linear_gelu_down": ("matmul", linear_gelu, lambda: _linear_args(MLP, HIDDEN)),
     "softmax": (
         "softmax",
         softmax_scaled,

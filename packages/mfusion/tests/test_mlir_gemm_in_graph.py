@@ -95,11 +95,15 @@ def test_a_shared_weight_view_stays_out(harness):
         assert not (aten.permute.default in targets and aten.mm.default in targets)
 
 
-@pytest.mark.parametrize(
+BERT_REGIONS = pytest.mark.parametrize(
     ("fn", "make"),
     [(bert_output, _bert_output_args), (bert_intermediate, _bert_intermediate_args)],
     ids=["output_residual", "intermediate_gelu"],
 )
+"""BERT's two GEMM regions (attention output + residual, FFN up + GELU) with 3-D views."""
+
+
+@BERT_REGIONS
 def test_3d_views_are_dropped_in_the_2d_form(harness, fn, make):
     torch.manual_seed(0)
     args = make()
@@ -132,11 +136,7 @@ def test_broadcast_over_a_middle_dim_is_left_alone(harness):
     assert flatten_gemm_region(harness.trace(per_batch, *args)) is None
 
 
-@pytest.mark.parametrize(
-    ("fn", "make"),
-    [(bert_output, _bert_output_args), (bert_intermediate, _bert_intermediate_args)],
-    ids=["output_residual", "intermediate_gelu"],
-)
+@BERT_REGIONS
 def test_2d_form_takes_the_blocked_gemm_and_equals_eager(harness, fn, make):
     torch.manual_seed(0)
     args = make()

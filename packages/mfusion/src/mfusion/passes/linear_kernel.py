@@ -59,7 +59,8 @@ ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
 ONEDNN_PACK = torch.ops.mkldnn._reorder_linear_weight.default
 
 MIN_GAIN = 0.03
-"""oneDNN must take at most ``1 - MIN_GAIN`` of MKL's time: a tie stays with Inductor's form."""
+"""The candidate (oneDNN, or oneDNN with the activation fused) must take at most ``1 - MIN_GAIN``
+of the baseline's time: a tie stays with Inductor's form."""
 
 ROUNDS = 9
 """Interleaved rounds per shape (odd, so the median is one measured round)."""
@@ -181,12 +182,17 @@ def _decide(
     mkn: tuple[int, int, int],
     bias: bool,
     extra: dict[str, str],
+    policy: str,
     machine: MachineProfile,
     labels: tuple[str, str],
     calls: Callable[[_Operands], tuple[Callable[[], object], Callable[[], object]]],
 ) -> KernelChoice:
-    """Time ``calls(operands) = (candidate, baseline)`` on random operands of shape ``mkn`` (or
-    read the cached decision); the candidate wins at :data:`MIN_GAIN` or more."""
+    """The candidate where ``policy`` forces it; otherwise time ``calls(operands) = (candidate,
+    baseline)`` on random operands of shape ``mkn`` (or read the cached decision), and the
+    candidate wins at :data:`MIN_GAIN` or more."""
+    if policy != LinearKernelPolicy.MEASURE:
+        forced = policy == LinearKernelPolicy.ONEDNN
+        return KernelChoice(forced, None, None, f"linear_kernel={policy}", *labels)
     fields: dict[str, object] = {"mkn": list(mkn), "bias": bias, **extra}
     key = _cache_key(fields, machine)
     cached = _read_cache(key, *labels)
@@ -209,12 +215,11 @@ def choose(
     m: int, k: int, n: int, bias: bool, policy: str, machine: MachineProfile
 ) -> KernelChoice:
     """oneDNN (chosen) or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``."""
-    if policy != LinearKernelPolicy.MEASURE:
-        return KernelChoice(
-            policy == LinearKernelPolicy.ONEDNN, None, None, f"linear_kernel={policy}"
-        )
-    labels = ("oneDNN", "MKL")
-    return _decide((m, k, n), bias, {}, machine, labels, lambda ops: (ops.onednn, ops.mkl))
+
+    def calls(ops: _Operands) -> tuple[Callable[[], object], Callable[[], object]]:
+        return ops.onednn, ops.mkl
+
+    return _decide((m, k, n), bias, {}, policy, machine, ("oneDNN", "MKL"), calls)
 
 
 def choose_fused(
@@ -235,23 +240,22 @@ def choose_fused(
     comparison favours not fusing."""
     library = "oneDNN" if unfused_onednn else "MKL"
     labels = (f"oneDNN + {activation.name} fused", f"{library}, then {activation.name}")
-    if policy != LinearKernelPolicy.MEASURE:
-        chosen = policy == LinearKernelPolicy.ONEDNN
-        return KernelChoice(chosen, None, None, f"linear_kernel={policy}", *labels)
     extra = {"activation": activation.name, "unfused": library}
 
     def calls(ops: _Operands) -> tuple[Callable[[], object], Callable[[], object]]:
         unfused = ops.onednn if unfused_onednn else ops.mkl
         return (lambda: ops.onednn(activation)), (lambda: activation.reference(unfused()))
 
-    return _decide((m, k, n), bias, extra, machine, labels, calls)
+    return _decide((m, k, n), bias, extra, policy, machine, labels, calls)
 
 
-def _default_timer(onednn: Callable[[], object], mkl: Callable[[], object]) -> tuple[float, float]:
+def _default_timer(
+    candidate: Callable[[], object], baseline: Callable[[], object]
+) -> tuple[float, float]:
     start = time.perf_counter()
-    mkl()
+    baseline()
     rounds = ROUNDS if time.perf_counter() - start < LARGE_CALL_S else LARGE_ROUNDS
-    return interleaved_timer(onednn, mkl, rounds, SAMPLE_S)
+    return interleaved_timer(candidate, baseline, rounds, SAMPLE_S)
 
 
 class LinearKernelPass(MFusionPass):
