@@ -100,6 +100,18 @@ class MFusionConfig(StrictConfig):
         description="GEMM library of frozen fp32 linears: 'measure' (time MKL and oneDNN per "
         "shape on this machine, cached), 'onednn' or 'inductor' (keep MKL).",
     )
+    chunked_cross_entropy: bool = Field(
+        False,
+        description="Training: rewrite linear + cross-entropy (mean, ignore_index) in the joint "
+        "graph into chunked custom ops that never save [tokens, vocab] logits (peak memory), "
+        "at the cost of one more head GEMM. Off by default: it slows the step (see README).",
+    )
+    chunked_cross_entropy_bytes: int = Field(
+        64 << 20,
+        ge=1,
+        description="Largest chunk of fp32 logits the chunked cross-entropy computes at once "
+        "(rows = bytes // (4 * vocab)); losses whose whole logits fit in it are left alone.",
+    )
     machine: MachineProfile | None = Field(
         None,
         description="The machine the machine-dependent rewrites (matmul_cast, patch_conv) decide "
