@@ -1,4 +1,5 @@
-"""Attach mfusion to Inductor's post-grad stage so plain ``torch.compile(model)`` runs it."""
+"""Attach mfusion to Inductor's post-grad stage (and, for the chunked cross-entropy, its joint
+forward+backward stage) so plain ``torch.compile(model)`` runs it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch._inductor.config as inductor_config
 
 from mfusion.backends.registry import BackendName, get_backend
 from mfusion.config import MFusionConfig
+from mfusion.passes.chunked_ce import ChunkedCrossEntropyPass
 from mfusion.passes.manager import MFusionPassManager
 
 _LOCK = threading.Lock()
-_PREVIOUS: list[Any] = []
+_PREVIOUS: list[tuple[Any, Any]] = []
+"""Per :func:`install`: the post-grad and joint-graph passes it replaced."""
 
 
 def install(
@@ -36,8 +39,8 @@ def install(
         The installed pass manager.
 
     Raises:
-        RuntimeError: Another custom post-grad pass is installed; mfusion does not silently
-            replace it.
+        RuntimeError: Another custom post-grad pass (or, with ``chunked_cross_entropy``, joint
+            pass) is installed; mfusion does not silently replace it.
     """
     config = MFusionConfig(
         backend=backend,
@@ -54,8 +57,17 @@ def install(
                 f"post_grad_custom_post_pass already holds {current!r}; remove it before "
                 "mfusion.install() (mfusion does not chain foreign passes)"
             )
-        _PREVIOUS.append(current)
+        joint = inductor_config.joint_custom_pre_pass
+        foreign_joint = joint is not None and not isinstance(joint, ChunkedCrossEntropyPass)
+        if config.chunked_cross_entropy and foreign_joint:
+            raise RuntimeError(
+                f"joint_custom_pre_pass already holds {joint!r}; remove it before "
+                "mfusion.install(chunked_cross_entropy=True)"
+            )
+        _PREVIOUS.append((current, joint))
         inductor_config.post_grad_custom_post_pass = manager
+        if config.chunked_cross_entropy:
+            inductor_config.joint_custom_pre_pass = ChunkedCrossEntropyPass(config)
     return manager
 
 
@@ -77,7 +89,10 @@ def compile_options(
         **options,
     )
     get_backend(config.resolved_backend())
-    return {"post_grad_custom_post_pass": MFusionPassManager(config)}
+    inductor_options: dict[str, Any] = {"post_grad_custom_post_pass": MFusionPassManager(config)}
+    if config.chunked_cross_entropy:
+        inductor_options["joint_custom_pre_pass"] = ChunkedCrossEntropyPass(config)
+    return inductor_options
 
 
 def uninstall() -> None:
@@ -85,7 +100,9 @@ def uninstall() -> None:
     with _LOCK:
         if not isinstance(inductor_config.post_grad_custom_post_pass, MFusionPassManager):
             raise RuntimeError("mfusion is not installed")
-        inductor_config.post_grad_custom_post_pass = _PREVIOUS.pop() if _PREVIOUS else None
+        post_grad, joint = _PREVIOUS.pop() if _PREVIOUS else (None, None)
+        inductor_config.post_grad_custom_post_pass = post_grad
+        inductor_config.joint_custom_pre_pass = joint
 
 
 def is_installed() -> bool:
