@@ -69,18 +69,6 @@ def test_matmul_region_takes_the_weight_permute(harness):
     assert aten.permute.default in targets and aten.addmm.default in targets
 
 
-def test_permute_of_the_left_operand_stays_out(harness):
-    """The GEMM strategy packs the right operand only: a transposed left one is read as a
-    (contiguous) input, as before."""
-    gm = harness.trace(
-        lambda x, w: torch.relu(x.permute(1, 0) @ w), torch.randn(8, 4), torch.randn(8, 8)
-    )
-    kinds = candidate_kinds(gm.graph, MLIR_CPU_TABLE)
-    for region in grow_regions(gm.graph, kinds, max_ops=16):
-        targets = [n.target for n in region.nodes]
-        assert not (aten.permute.default in targets and aten.mm.default in targets)
-
-
 def test_a_shared_weight_view_stays_out(harness):
     """A view also read outside the region would become a region output: it stays out."""
 

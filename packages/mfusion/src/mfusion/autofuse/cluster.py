@@ -120,10 +120,39 @@ def grow_regions(
     regions = []
     for root, members in sets.items():
         if uf.find(root) is root:
+            if matmul_epilogue_only:
+                members = _without_trailing_views(members, kinds, order)
             nodes = sorted(members, key=order.__getitem__)
             regions.append(Region(nodes, {n: kinds[n] for n in nodes}))
     regions.sort(key=lambda r: order[r.nodes[0]])
     return regions
+
+
+def _without_trailing_views(
+    members: set[fx.Node], kinds: dict[fx.Node, RegionKind], order: dict[fx.Node, int]
+) -> set[fx.Node]:
+    """A matmul region without the views at its end: a view read only outside the region.
+
+    In a backward graph the GEMM that produces a gradient is followed by the gradient's views
+    for the next GEMMs (``dpre`` flattened, and ``dpre^T`` for the weight gradient). Inside the
+    region such a view is an output of its own: torch-mlir writes a transposed copy of the
+    result (a second transpose the GEMM lowering refuses: the region fell back to the scalar
+    pipeline, 129x Inductor's time on BERT's FFN backward). Outside it is a free view of the
+    region's output. Views are dropped from the end while that leaves the region acyclic.
+    """
+    if not any(kinds[n] is RegionKind.MATMUL for n in members):
+        return members
+    members = set(members)
+    changed = True
+    while changed:
+        changed = False
+        for node in sorted(members, key=order.__getitem__, reverse=True):
+            if kinds[node] is not RegionKind.RESHAPE or any(u in members for u in node.users):
+                continue
+            rest = members - {node}
+            if rest and not creates_cycle(rest, order):
+                members, changed = rest, True
+    return members
 
 
 def _legal_matmul_mix(
@@ -150,10 +179,11 @@ def _operand_view(
     Left outside, such a view reaches the region as a strided input: the call then copies a
     transposed weight on every run, and the GEMM lowering reads its K x N panels unpacked
     (measured 2.1x of Inductor's time at 256 x 768 -> 3072 against 0.81x with the permute in).
-    A permute of the left operand stays out: the GEMM strategy packs the right one only.
+    A permute of the left operand (a weight gradient's ``g^T``) joins too: the GEMM strategy
+    reads it through the matmul's indexing map (:func:`mfusion.mlir.gemm.fold_left_transpose`).
     """
     if kinds[node] is not RegionKind.RESHAPE or not all(u in members for u in node.users):
         return False
     if node.target is not torch.ops.aten.permute.default:
         return True
-    return node in matmul.args[-1:] and all(u is matmul for u in node.users)
+    return node in matmul.args[-2:] and all(u is matmul for u in node.users)

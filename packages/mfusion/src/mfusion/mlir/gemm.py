@@ -191,12 +191,206 @@ def gemm_script(m: int, n: int, k: int, transposed: bool) -> str:
     return "\n".join(lines)
 
 
-def tile_matmul_epilogue(module: ir.Module) -> None:
-    """Apply :func:`gemm_script` to a linalg-on-tensors GEMM region (named ops kept).
+def _owner(value: ir.Value) -> ir.Operation | None:
+    """The operation defining ``value`` (None for a block argument)."""
+    from torch_mlir import ir
+
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return None
+    return owner if isinstance(owner, ir.Operation) else owner.operation
+
+
+def fold_left_transpose(matmul: ir.Operation) -> ir.Operation:
+    """``matmul(transpose(g), x)`` as one matmul reading ``g`` through a transposed map.
+
+    A weight gradient is ``g^T x`` (K = tokens). Tiled as it comes, the transpose would be
+    fused into every panel and rebuilt per row block; read through the matmul's indexing map,
+    each K step of a row block takes ``BLOCK_M`` consecutive elements of one row of ``g`` (the
+    broadcast operand of the outer product) straight from memory. Returns the matmul in use.
+    """
+    from torch_mlir import ir
+    from torch_mlir.dialects import linalg
+
+    transpose = _owner(matmul.operands[0])
+    if transpose is None or transpose.name != "linalg.transpose":
+        return matmul
+    if list(ir.DenseI64ArrayAttr(transpose.attributes["permutation"])) != [1, 0]:
+        return matmul
+    if len(list(transpose.results[0].uses)) != 1:
+        return matmul
+    d0, d1 = ir.AffineDimExpr.get(0), ir.AffineDimExpr.get(1)
+    d2 = ir.AffineDimExpr.get(2)
+    maps = [ir.AffineMap.get(3, 0, exprs) for exprs in ([d2, d0], [d2, d1], [d0, d1])]
+    with ir.InsertionPoint(matmul):
+        folded = linalg.matmul(
+            transpose.operands[0], matmul.operands[1], outs=[matmul.operands[2]], indexing_maps=maps
+        )
+    matmul.results[0].replace_all_uses_with(folded)
+    matmul.erase()
+    transpose.erase()
+    owner = _owner(folded)
+    assert owner is not None  # a matmul's result
+    return owner
+
+
+def _identity(attr: ir.Attribute) -> bool:
+    from torch_mlir import ir
+
+    affine = ir.AffineMapAttr(attr).value
+    return affine.is_permutation and list(affine.results) == [
+        ir.AffineDimExpr.get(i) for i in range(affine.n_dims)
+    ]
+
+
+def merge_epilogue(module: ir.Module, matmul: ir.Operation) -> ir.Operation:
+    """Every element-wise ``linalg.generic`` behind the matmul, merged into one generic with one
+    result per returned value (the matmul's own result included).
+
+    A training forward returns the pre-activation (saved for the backward) as well as the
+    activation; a backward epilogue returns several products of the gradient (a residual sum
+    and the pieces of a LayerNorm backward). torch-mlir writes each as its own generic, and
+    element-wise fusion keeps a producer that has other uses apart, so the GEMM tiling (one
+    epilogue per panel) would have to recompute the matmul or fail. Merged, the accumulator
+    tile feeds one epilogue that writes every output once. A bare matmul gets a copy epilogue
+    (the accumulator written out by the same tile code).
 
     Raises:
-        ValueError: The region is not one matmul returned through one element-wise epilogue
-            (the caller then falls back to the scalar pipeline).
+        ValueError: A generic is not an element-wise op over the matmul's M x N domain (a
+            reduction, a broadcast of an intermediate, a prologue feeding the matmul).
+    """
+    from torch_mlir import ir
+    from torch_mlir.dialects import linalg, tensor
+
+    (ret,) = _ops(module, "func.return")
+    generics = _ops(module, "linalg.generic")
+    result_shape = _static_shape(matmul.results[0])
+    element = ir.RankedTensorType(matmul.results[0].type).element_type
+
+    def produced_by_group(value: ir.Value) -> tuple[ir.Operation, int] | None:
+        owner = _owner(value)
+        for g in generics:
+            if owner is not None and owner == g:
+                return g, ir.OpResult(value).result_number
+        return None
+
+    def is_matmul(value: ir.Value) -> bool:
+        owner = _owner(value)
+        return owner is not None and owner == matmul
+
+    for g in generics:
+        iterators = [str(t) for t in ir.ArrayAttr(g.attributes["iterator_types"])]
+        if any("parallel" not in t for t in iterators) or len(iterators) != 2:
+            raise ValueError("an epilogue op that is not element-wise over M x N")
+        maps = list(ir.ArrayAttr(g.attributes["indexing_maps"]))
+        n_in = len(g.operands) - len(g.results)
+        for result, attr in zip(g.results, maps[n_in:], strict=True):
+            if _static_shape(result) != result_shape or not _identity(attr):
+                raise ValueError("an epilogue result that is not M x N")
+        for operand, attr in zip(g.operands[:n_in], maps[:n_in], strict=True):
+            if (is_matmul(operand) or produced_by_group(operand)) and not _identity(attr):
+                raise ValueError("an intermediate read through a broadcast")
+        body = g.regions[0].blocks[0]
+        if any(len(list(arg.uses)) for arg in list(body.arguments)[n_in:]):
+            raise ValueError("an epilogue reading its output")
+        for user_op in _users(g):
+            if user_op == matmul or user_op.name == "linalg.transpose":
+                raise ValueError("an element-wise prologue feeding the matmul")
+    for producer in (matmul, *generics):
+        for user_op in _users(producer):
+            if user_op != ret and not any(user_op == g for g in generics):
+                raise ValueError("the matmul or its epilogue read by an op outside the epilogue")
+    returned = list(ret.operands)
+    if not all(is_matmul(v) or produced_by_group(v) for v in returned):
+        raise ValueError("a returned value that is neither the matmul nor its epilogue")
+    if len(generics) == 1 and len(returned) == 1 and not is_matmul(returned[0]):
+        return generics[0]
+
+    # inputs of the merged op: every operand from outside the group (with its map)
+    inputs: list[ir.Value] = []
+    input_maps: list[ir.Attribute] = []
+    for g in generics:
+        maps = list(ir.ArrayAttr(g.attributes["indexing_maps"]))
+        n_in = len(g.operands) - len(g.results)
+        for operand, attr in zip(g.operands[:n_in], maps[:n_in], strict=True):
+            if produced_by_group(operand) is None:
+                inputs.append(operand)
+                input_maps.append(attr)
+    if any(map(is_matmul, returned)) and not any(map(is_matmul, inputs)):
+        inputs.append(matmul.results[0])  # returned as it is (also a bare matmul's copy epilogue)
+        input_maps.append(ir.AffineMapAttr.get(ir.AffineMap.get_identity(2)))
+    out_map = ir.AffineMapAttr.get(ir.AffineMap.get_identity(2))
+    with ir.InsertionPoint(ret):
+        outputs = [tensor.EmptyOp(result_shape, element).result for _ in returned]
+        merged = linalg.GenericOp(
+            [v.type for v in outputs],
+            inputs,
+            outputs,
+            ir.ArrayAttr.get([*input_maps, *[out_map] * len(outputs)]),
+            ir.ArrayAttr.get([ir.Attribute.parse("#linalg.iterator_type<parallel>")] * 2),
+        )
+    arg_types = [ir.RankedTensorType(v.type).element_type for v in [*inputs, *outputs]]
+    block = merged.regions[0].blocks.append(*arg_types)
+    args = list(block.arguments)
+    scalar: dict[tuple[int, int], ir.Value] = {}  # (generic index, result) -> value in block
+    position = 0
+    with ir.InsertionPoint(block):
+        for index, g in enumerate(generics):
+            n_in = len(g.operands) - len(g.results)
+            body = g.regions[0].blocks[0]
+            mapping: list[tuple[ir.Value, ir.Value]] = []
+            for operand, arg in zip(g.operands[:n_in], list(body.arguments)[:n_in], strict=True):
+                source = produced_by_group(operand)
+                if source is None:
+                    mapping.append((arg, args[position]))
+                    position += 1
+                else:
+                    producer, number = source
+                    mapping.append((arg, scalar[(generics.index(producer), number)]))
+            for op in body.operations:
+                if op.name == "linalg.yield":
+                    for number, value in enumerate(op.operands):
+                        scalar[(index, number)] = _mapped(value, mapping)
+                    break
+                copy = op.clone()
+                for i, operand in enumerate(copy.operands):
+                    copy.operands[i] = _mapped(operand, mapping)
+                mapping += list(zip(op.results, copy.results, strict=True))
+        yielded = []
+        for value in returned:
+            source = produced_by_group(value)
+            if source is None:  # the matmul's result, returned as it is
+                yielded.append(args[next(i for i, v in enumerate(inputs) if is_matmul(v))])
+            else:
+                producer, number = source
+                yielded.append(scalar[(generics.index(producer), number)])
+        linalg.YieldOp(yielded)
+    for i, _value in enumerate(returned):
+        ret.operands[i] = merged.results[i]
+    for g in reversed(generics):
+        g.erase()
+    return merged.operation
+
+
+def _mapped(value: ir.Value, mapping: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
+    for old, new in mapping:
+        if old == value:
+            return new
+    return value
+
+
+def _users(op: ir.Operation) -> list[ir.Operation]:
+    return [use.owner for result in op.results for use in result.uses]
+
+
+def tile_matmul_epilogue(module: ir.Module) -> None:
+    """Apply :func:`gemm_script` to a linalg-on-tensors GEMM region (named ops kept): the left
+    operand's transpose folded into the matmul (:func:`fold_left_transpose`), every epilogue
+    merged into one multi-result generic (:func:`merge_epilogue`).
+
+    Raises:
+        ValueError: The region is not one matmul returned through element-wise epilogues (the
+            caller then falls back to the scalar pipeline).
     """
     from torch_mlir import ir
     from torch_mlir.dialects.transform import interpreter
@@ -204,16 +398,14 @@ def tile_matmul_epilogue(module: ir.Module) -> None:
     with module.context, ir.Location.unknown():
         matmuls = _ops(module, "linalg.matmul")
         returns = _ops(module, "func.return")
-        if len(matmuls) != 1 or len(returns) != 1 or len(returns[0].operands) != 1:
-            raise ValueError("a GEMM region is one matmul with one returned epilogue")
-        returned = returns[0].operands[0].owner
-        if not isinstance(returned, ir.Operation):
-            returned = returned.operation
-        if returned.name != "linalg.generic" or len(_ops(module, "linalg.fill")) != 1:
-            raise ValueError("the matmul's result must go through an element-wise epilogue")
-        lhs, rhs = matmuls[0].operands[0], matmuls[0].operands[1]
-        m, k = _static_shape(lhs)
-        n = _static_shape(rhs)[1]
+        if len(matmuls) != 1 or len(returns) != 1:
+            raise ValueError("a GEMM region is one matmul in one function")
+        if len(_ops(module, "linalg.fill")) != 1:
+            raise ValueError("a GEMM region zero-fills one accumulator")
+        matmul = fold_left_transpose(matmuls[0])
+        merge_epilogue(module, matmul)
+        m, n = _static_shape(matmul.results[0])
+        k = _static_shape(matmul.operands[1])[0]
         transposes = _ops(module, "linalg.transpose")
         if len(transposes) > 1:
             raise ValueError("more than one transpose in a GEMM region")

@@ -169,9 +169,12 @@ def lower_to_llvm(torch_backend_asm: str, pipeline: Pipeline = "vector") -> ir.M
 
 # A GEMM region's transposes and accumulators are 2-D vectors: unrolled to 1-D here, where the
 # default lowering would put a stack buffer per loop iteration (and overflow the stack over K).
+# A bare matmul (no epilogue) writes its accumulator into a tile of a fresh tensor that is then
+# inserted into the output: eliminate-empty-tensors makes that tile a view of the output, so the
+# write goes there directly (no copy through the C runner's memrefCopy, which is not loaded).
 GEMM_PIPELINE = VECTOR_PIPELINE.replace(
     "func.func(convert-vector-to-scf)", "func.func(convert-vector-to-scf{full-unroll=true})"
-)
+).replace("one-shot-bufferize{", "eliminate-empty-tensors,one-shot-bufferize{", 1)
 
 
 def _lower_gemm(module: ir.Module) -> None:
