@@ -172,7 +172,13 @@ def match_forward(amax: fx.Node) -> dict[str, Any] | None:
         return None
     gather = _user(logp, aten.gather.default)
     if gather is None:
-        raise Refusal("log-probabilities do not feed a gather: not an NLL loss")
+        raise Refusal("log-probabilities do not feed gather(logp, 1, targets) (class weights?)")
+    for user in logp.users:
+        if user is not gather and not is_op(user, *VIEWS):
+            raise Refusal(
+                f"log-probabilities are also used outside the loss, by {user.target} (label "
+                "smoothing, another loss term)"
+            )
     index = gather.args[2]
     if gather.args[1] != 1 or not is_op(index, aten.unsqueeze.default):
         raise Refusal("gather is not over the class dim")
@@ -201,6 +207,7 @@ def match_forward(amax: fx.Node) -> dict[str, Any] | None:
     hidden, weight_t, bias, gemm, views = _head(logits)
     owned = {amax, shift, exp, total, log, logp, gather, squeeze, neg, masked, summed, gemm}
     owned |= views
+    _check_closed(owned | {loss}, {loss, logp})  # logp's aliases feed the backward
     return {
         "hidden": hidden,
         "weight_t": weight_t,
