@@ -205,8 +205,8 @@ def match_forward(amax: fx.Node) -> dict[str, Any] | None:
     if tensor_val(logits).dtype != torch.float32:  # type: ignore[union-attr]
         raise Refusal(f"logits are {tensor_val(logits).dtype}: only fp32 is measured")  # type: ignore[union-attr]
     hidden, weight_t, bias, gemm, views = _head(logits)
-    owned = {amax, shift, exp, total, log, logp, gather, squeeze, neg, masked, summed, gemm}
-    owned |= views
+    pattern = (amax, shift, exp, total, log, logp, gather, squeeze, neg, masked, summed, gemm)
+    owned = {n for n in pattern if n is not None} | views
     _check_closed(owned | {loss}, {loss, logp})  # logp's aliases feed the backward
     return {
         "hidden": hidden,
