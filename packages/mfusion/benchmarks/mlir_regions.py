@@ -127,14 +127,14 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 def mlir_call(gm, inputs, pipeline: str, threads: int) -> Callable[[], object]:
     ir = import_region(gm)
-    compiled_region(ir, pipeline)  # type: ignore[arg-type]
+    compiled = compiled_region(ir, pipeline)  # type: ignore[arg-type]
     outputs = [
         v for v in (n.meta["val"] for n in gm.graph.find_nodes(op="output")[0].all_input_nodes)
     ]
     spec = format_out_spec(outputs)
     block_ir, split = ("", "")
     if pipeline == "vector":
-        block_ir, split = MLIRCPUBackend._blocks(_Region(gm), threads, "vector")
+        block_ir, split = MLIRCPUBackend._blocks(_Region(gm), threads, compiled)
     op = torch.ops.mfusion.mlir_region.default  # as the compiled graph calls it
     return lambda: op(inputs, ir, spec, pipeline, block_ir, split)
 

@@ -8,7 +8,7 @@ import operator
 import torch
 from torch import fx
 
-from mfusion.autofuse.capability import INDUCTOR_TABLE, MLIR_CPU_TABLE
+from mfusion.autofuse.capability import INDUCTOR_TABLE, MLIR_CPU_TABLE, ShapeRefusal
 from mfusion.autofuse.classify import RegionKind, region_kind
 from mfusion.autofuse.cluster import UnionFind, creates_cycle, grow_regions
 from mfusion.autofuse.fuse import candidate_kinds
@@ -87,7 +87,12 @@ def test_capability_table_filters_by_op_dtype_and_shape(harness):
     gm16 = harness.trace(fn, torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4).bfloat16())
     assert "dtype torch.bfloat16" in MLIR_CPU_TABLE.check(_nodes(gm16)["exp"])
     dyn = harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4), mode="symbolic")
-    assert "symbolic shape" in MLIR_CPU_TABLE.check(_nodes(dyn)["exp"])
+    # symbolic outer dims are taken by row ops, a symbolic innermost dim and matmuls are not
+    refusal = MLIR_CPU_TABLE.check(_nodes(dyn)["exp"])
+    assert isinstance(refusal, ShapeRefusal) and refusal.startswith("symbolic inner dim s")
+    refusal = MLIR_CPU_TABLE.check(_nodes(dyn)["mm"])
+    assert isinstance(refusal, ShapeRefusal) and refusal.startswith("symbolic dim s")
+    assert refusal.endswith("compiles matmul ops for static shapes only")
 
 
 def test_matmul_only_leads_epilogue_regions(harness):

@@ -138,11 +138,17 @@ def test_graph_that_fails_to_compile_keeps_inductors_form(harness, decisions, mo
     torch.testing.assert_close(gm(*ARGS), softmax_gelu(*ARGS), atol=1e-6, rtol=1e-6)
 
 
-def test_whole_graph_check_needs_static_tensor_inputs(harness):
+def test_whole_graph_check_times_symbolic_shapes_at_their_hints(harness):
+    """A graph with symbolic sizes is timed at the sizes it was traced with; a placeholder that
+    is neither a tensor nor a size cannot be made up."""
     static = harness.trace(softmax_gelu, *ARGS)
-    assert choice.static_inputs_refusal(static) is None
+    assert choice.timing_inputs_refusal(static) is None
     symbolic = harness.trace(softmax_gelu, *ARGS, mode="symbolic")
-    assert "has a symbolic shape" in str(choice.static_inputs_refusal(symbolic))
+    assert choice.has_symbolic_shapes(symbolic) and not choice.has_symbolic_shapes(static)
+    assert choice.timing_inputs_refusal(symbolic) is None
+    assert [t.shape for t in choice.example_inputs(symbolic)] == [a.shape for a in ARGS]
+    symbolic.graph.find_nodes(op="placeholder")[1].meta["val"] = 0.5
+    assert "is not a tensor (float)" in str(choice.timing_inputs_refusal(symbolic))
 
 
 def test_whole_graph_signature_sees_shapes_and_structure(harness):

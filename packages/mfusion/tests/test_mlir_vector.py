@@ -98,7 +98,9 @@ def test_unknown_pipeline_is_refused_by_name(harness):
         ([256, 512], True, [1, 0]),  # reductions keep rows whole up to 512
         ([256, 768], True, [1, 384]),
         ([256, 1024], True, [1, 512]),
-        ([None, 8], False, None),
+        ([None, 8], False, [1, 0]),  # a dynamic outer loop: rows of a static 8
+        ([None, None, 1024], True, [1, 1, 512]),
+        ([8, None], False, None),  # a dynamic innermost range is not vectorised
         ([], False, None),
     ],
 )

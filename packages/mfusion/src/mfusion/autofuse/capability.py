@@ -54,6 +54,31 @@ class OpCapability:
     max_rank: int = 6
     max_numel: int | None = None
     static_shapes: bool = False
+    static_inner_dim: bool = False
+    """Symbolic dims are accepted except in the innermost (last) dim: kernels loop over outer
+    dims with dynamic bounds and vectorise a static row (``static_shapes`` overrides it)."""
+
+
+class ShapeRefusal(str):
+    """A refusal for a shape the backend cannot compile (a symbolic dim where it needs a static
+    one): reported per graph, since the user can act on it (a static size, ``dynamic=False``);
+    other refusals (an op or dtype outside the table) are the table working as intended.
+
+    ``dim`` names the offending dim (``s0``): the nodes refused for one dim are one report line.
+    """
+
+    dim: str
+
+    def __new__(cls, reason: str, dim: object) -> ShapeRefusal:
+        refusal = super().__new__(cls, reason)
+        refusal.dim = str(dim)
+        return refusal
+
+
+def _symbolic_dim(shape: tuple[object, ...], inner_only: bool) -> tuple[int, object] | None:
+    """The first symbolic dim of ``shape`` (only the last dim when ``inner_only``)."""
+    dims = list(enumerate(shape))[-1:] if inner_only else list(enumerate(shape))
+    return next(((i, d) for i, d in dims if not isinstance(d, int)), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +107,28 @@ class CapabilityTable:
             if value.dim() > cap.max_rank:
                 return f"rank {value.dim()} above {self.backend}'s limit {cap.max_rank}"
             static = all(isinstance(s, int) for s in value.shape)
-            if cap.static_shapes and not static:
-                return f"symbolic shape {tuple(value.shape)}: {self.backend} compiles static shapes"
+            if (cap.static_shapes or cap.static_inner_dim) and not static:
+                found = _symbolic_dim(tuple(value.shape), inner_only=not cap.static_shapes)
+                if found is not None:
+                    index, dim = found
+                    where = "symbolic dim" if cap.static_shapes else "symbolic inner dim"
+                    needs = (
+                        f"{self.backend} compiles {cap.kind.value} ops for static shapes only"
+                        if cap.static_shapes
+                        else f"{self.backend} vectorises a static innermost dim"
+                    )
+                    return ShapeRefusal(
+                        f"{where} {dim} (dim {index}) of {node.name}'s "
+                        f"{'output' if value is out else 'input'} {_shape(value)}: {needs}",
+                        dim,
+                    )
             if cap.max_numel is not None and static and value.numel() > cap.max_numel:
                 return f"{value.numel()} elements above {self.backend}'s limit {cap.max_numel}"
         return cap
+
+
+def _shape(value: torch.Tensor) -> str:
+    return f"({', '.join(map(str, value.shape))})"
 
 
 def _table(
@@ -96,10 +138,16 @@ def _table(
     *,
     max_rank: int = 6,
     max_numel: int | None = None,
-    static_shapes: bool = False,
+    static_shapes: bool | frozenset[RegionKind] = False,
+    static_inner_dim: bool = False,
 ) -> CapabilityTable:
+    """``static_shapes``: True for every op, or the kinds whose ops need static shapes."""
+
+    def static(kind: RegionKind) -> bool:
+        return static_shapes if isinstance(static_shapes, bool) else kind in static_shapes
+
     ops = {
-        op: OpCapability(kind, dtypes, max_rank, max_numel, static_shapes)
+        op: OpCapability(kind, dtypes, max_rank, max_numel, static(kind), static_inner_dim)
         for kind, group in groups.items()
         for op in group
     }
@@ -118,7 +166,9 @@ INDUCTOR_TABLE = _table("inductor", ALL_KINDS, FLOATS | {torch.float64})
 # The JIT's vector pipeline tiles and vectorises rows (element-wise, reductions, softmax, norms)
 # and, since 0.3.4, one 2-D matmul (mm / addmm) with its element-wise epilogue
 # (mfusion.mlir.gemm: packed panels, register blocks, epilogue in the tile). No bmm: the GEMM
-# strategy is 2-D. Static shapes only: each shape is one compiled kernel. max_numel bounds what
+# strategy is 2-D. Matmul regions need static shapes (the GEMM blocks are cut from static M and
+# N); row regions take symbolic outer dims (one kernel for every size, rows looped to dynamic
+# bounds) but need a static innermost dim, the row they vectorise. max_numel bounds what
 # one kernel is handed (64 MiB of fp32 per tensor): a size guard, not a measured speed
 # threshold; whether a region pays (a GEMM against Inductor's BLAS call) is measured per region
 # (mfusion.mlir.choice).
@@ -131,6 +181,7 @@ MLIR_CPU_TABLE = _table(
     },
     frozenset({torch.float32}),
     max_numel=1 << 24,
-    static_shapes=True,
+    static_shapes=frozenset({RegionKind.MATMUL}),
+    static_inner_dim=True,
 )
 NPU_TABLE = _table("npu", ALL_KINDS, FLOATS, max_rank=8)

@@ -8,7 +8,7 @@ import dataclasses
 
 from torch import fx
 
-from mfusion.autofuse.capability import CapabilityTable, OpCapability
+from mfusion.autofuse.capability import CapabilityTable, OpCapability, ShapeRefusal
 from mfusion.autofuse.classify import RegionKind, node_kind, region_kind
 from mfusion.autofuse.cluster import grow_regions
 from mfusion.autofuse.outline import (
@@ -25,14 +25,31 @@ from mfusion.config import MFusionConfig
 from mfusion.report import GraphReport, RegionSummary
 
 
-def candidate_kinds(graph: fx.Graph, table: CapabilityTable) -> dict[fx.Node, RegionKind]:
-    """Nodes the backend's capability table accepts, with their refined kinds."""
+def candidate_kinds(
+    graph: fx.Graph, table: CapabilityTable, refusals: list[ShapeRefusal] | None = None
+) -> dict[fx.Node, RegionKind]:
+    """Nodes the backend's capability table accepts, with their refined kinds; the reasons of
+    nodes refused for their shape (:class:`ShapeRefusal`) are appended to ``refusals``."""
     kinds = {}
     for node in graph.nodes:
         cap = table.check(node)
         if isinstance(cap, OpCapability):
             kinds[node] = node_kind(node, cap.kind)
+        elif isinstance(cap, ShapeRefusal) and refusals is not None:
+            refusals.append(cap)
     return kinds
+
+
+def _record_shape_refusals(refusals: list[ShapeRefusal], backend: str, record: GraphReport) -> None:
+    """One report line per symbolic dim refused: a dynamic graph repeats it in many nodes, the
+    first node's reason stands for them all, with their count."""
+    by_dim: dict[str, list[ShapeRefusal]] = {}
+    for refusal in refusals:
+        by_dim.setdefault(refusal.dim, []).append(refusal)
+    for group in by_dim.values():
+        record.regions.append(
+            RegionSummary("refused", len(group), backend, False, f"refused: {group[0]}")
+        )
 
 
 def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> int:
@@ -45,7 +62,9 @@ def auto_fuse(graph: fx.Graph, config: MFusionConfig, record: GraphReport) -> in
     backend.machine = config.machine  # None: the backend detects this process's when needed
     plain = _plain_snapshot(graph, backend)
     calls: list[tuple[fx.Node, OutlinedRegion, int]] = []
-    kinds = candidate_kinds(graph, backend.table)
+    refusals: list[ShapeRefusal] = []
+    kinds = candidate_kinds(graph, backend.table, refusals)
+    _record_shape_refusals(refusals, backend.name, record)
     regions = grow_regions(
         graph,
         kinds,
@@ -113,9 +132,9 @@ def _keep_outlined(
 ) -> bool:
     """The whole-graph check: True to keep the outlined regions. Where it cannot measure, the
     regions are put back (Inductor's graph is the one known not to lose to Inductor)."""
-    from mfusion.mlir.choice import decide_graph, static_inputs_refusal
+    from mfusion.mlir.choice import decide_graph, timing_inputs_refusal
 
-    refusal = static_inputs_refusal(plain)
+    refusal = timing_inputs_refusal(plain)
     if refusal is not None:
         record.whole_graph = f"regions put back: cannot time the graph ({refusal})"
         return False

@@ -18,6 +18,7 @@ to the ``scalar`` pipeline, and the measurement decides either way.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,22 +28,64 @@ from mfusion.autofuse.outline import OutlinedRegion
 from mfusion.backends.base import KernelBackend, RegionCall
 from mfusion.mlir.pipeline import PIPELINES, Pipeline
 
+if TYPE_CHECKING:
+    from mfusion.mlir.runtime import CompiledRegion
+
 _DTYPES = {"f32": torch.float32, "f64": torch.float64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def format_out_spec(values: list[torch.Tensor]) -> str:
-    """``"f32:64x128;f32:128"``: dtype and static shape of each output."""
-    return ";".join(f"{_NAMES[v.dtype]}:{'x'.join(map(str, v.shape))}" for v in values)
+InputDim = tuple[int, int]
+"""``(input index, dim)``: an output dim whose size is read from an input at call time."""
+
+
+def format_out_spec(values: list[torch.Tensor], inputs: list[torch.Tensor] | None = None) -> str:
+    """``"f32:64x128;f32:128"``: dtype and shape of each output. A symbolic dim is written as
+    ``i<input>.<dim>`` (``"f32:i0.0x768"``), the input dim with the same size, so one graph
+    call allocates outputs for whatever sizes it is run with.
+
+    Raises:
+        ValueError: a symbolic output dim is no input's dim (a view's product of sizes).
+    """
+    items = []
+    for value in values:
+        dims = [str(d) if isinstance(d, int) else _input_dim(d, inputs or []) for d in value.shape]
+        items.append(f"{_NAMES[value.dtype]}:{'x'.join(dims)}")
+    return ";".join(items)
+
+
+def _input_dim(dim: torch.SymInt, inputs: list[torch.Tensor]) -> str:
+    """``i<input>.<dim>`` of the first input dim with the same symbolic size as ``dim``
+    (compared as expressions: no guard is added to the compile's shape environment)."""
+    for index, value in enumerate(inputs):
+        for position, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == dim.node.expr:
+                return f"i{index}.{position}"
+    raise ValueError(f"output dim {dim} is the size of no input dim")
 
 
 @functools.lru_cache(maxsize=1024)
-def parse_out_spec(spec: str) -> list[tuple[torch.dtype, list[int]]]:
-    parsed = []
+def parse_out_spec(spec: str) -> list[tuple[torch.dtype, list[int | InputDim]]]:
+    parsed: list[tuple[torch.dtype, list[int | InputDim]]] = []
     for item in spec.split(";"):
         dtype, _, shape = item.partition(":")
-        parsed.append((_DTYPES[dtype], [int(s) for s in shape.split("x")] if shape else []))
+        dims: list[int | InputDim] = []
+        for dim in shape.split("x") if shape else []:
+            if dim.startswith("i"):
+                index, _, position = dim[1:].partition(".")
+                dims.append((int(index), int(position)))
+            else:
+                dims.append(int(dim))
+        parsed.append((_DTYPES[dtype], dims))
     return parsed
+
+
+def output_shapes(spec: str, inputs: list[torch.Tensor]) -> list[tuple[torch.dtype, list[Any]]]:
+    """Dtype and shape of each output for this call's ``inputs`` (sizes or SymInts)."""
+    return [
+        (dtype, [d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in dims])
+        for dtype, dims in parse_out_spec(spec)
+    ]
 
 
 # Registered through ``torch.library.Library`` + a CPU kernel rather than
@@ -74,7 +117,7 @@ def mlir_region(
     """
     from mfusion.mlir.runtime import compiled_region, run_blocks
 
-    outputs = [torch.empty(shape, dtype=dtype) for dtype, shape in parse_out_spec(out_spec)]
+    outputs = [torch.empty(shape, dtype=dtype) for dtype, shape in output_shapes(out_spec, inputs)]
     if block_ir:
         flags, _, blocks = split.partition(":")
         kernel = compiled_region(block_ir, _pipeline(pipeline))
@@ -96,7 +139,9 @@ def _mlir_region_fake(
     block_ir: str = "",
     split: str = "",
 ) -> list[torch.Tensor]:
-    return [inputs[0].new_empty(shape, dtype=dtype) for dtype, shape in parse_out_spec(out_spec)]
+    return [
+        inputs[0].new_empty(shape, dtype=dtype) for dtype, shape in output_shapes(out_spec, inputs)
+    ]
 
 
 def _pipeline(name: str) -> Pipeline:
@@ -121,7 +166,7 @@ class MLIRCPUBackend(KernelBackend):
         from mfusion.mlir.choice import decide
         from mfusion.mlir.flatten import flatten_gemm_region
         from mfusion.mlir.importer import import_region
-        from mfusion.mlir.runtime import CompiledRegion, compiled_region, region_key
+        from mfusion.mlir.runtime import compiled_region, region_key
 
         if not region.inputs:
             return "region has no tensor input"
@@ -130,9 +175,19 @@ class MLIRCPUBackend(KernelBackend):
             # The JIT compiles host code and the op has a CPU kernel only: a region of a GPU
             # graph stays with Inductor (Triton) instead of failing when the graph runs.
             return f"region on {', '.join(sorted(devices))}: mlir-cpu runs CPU tensors only"
+        scalars = [n.name for n in region.inputs if not isinstance(n.meta.get("val"), torch.Tensor)]
+        if scalars:
+            # a view of a dynamic shape reads its sizes from the graph (sym_size nodes); the
+            # call takes tensors only
+            return f"region reads the symbolic size {scalars[0]}: mlir-cpu passes tensors only"
         outputs = [o.meta["val"] for o in region.outputs]
         if any(v.dtype not in _NAMES for v in outputs):
             return "an output dtype has no JIT mapping"
+        inputs = [n.meta["val"] for n in region.inputs]
+        try:
+            spec = format_out_spec(outputs, inputs)
+        except ValueError as error:
+            return f"{error}: mlir-cpu allocates outputs from the input sizes"
         module = region.module
         if kind is RegionKind.MATMUL:
             # 3-D views around the matmul keep the GEMM lowering off (scalar fallback)
@@ -151,9 +206,8 @@ class MLIRCPUBackend(KernelBackend):
                 failures.append(f"{pipeline}: {_first_line(error)}")
         if compiled is None:
             return f"torch-mlir could not compile the region ({'; '.join(failures)})"
-        spec = format_out_spec(outputs)
         machine = self.machine if self.machine is not None else MachineProfile.detect()
-        block_ir, split = self._blocks(region, machine.threads, compiled.pipeline)
+        block_ir, split = self._blocks(region, machine.threads, compiled)
         args = (ir, spec, compiled.pipeline, block_ir, split)
 
         def run(inputs: list[torch.Tensor]) -> None:
@@ -168,21 +222,29 @@ class MLIRCPUBackend(KernelBackend):
         return torch.ops.mfusion.mlir_region.default, args
 
     @staticmethod
-    def _blocks(region: OutlinedRegion, threads: int, pipeline: Pipeline) -> tuple[str, str]:
+    def _blocks(region: OutlinedRegion, threads: int, compiled: CompiledRegion) -> tuple[str, str]:
         """``(block_ir, split)`` for running the region on ``threads`` row blocks, or
-        ``("", "")`` when its rows are not independent, do not divide evenly or threads is 1."""
+        ``("", "")`` when its rows are not independent, do not divide evenly or threads is 1.
+
+        A kernel with dynamic dims runs its blocks itself (any row count, cut per call): its
+        ``block_ir`` is its own IR."""
         from mfusion.mlir.importer import import_region
         from mfusion.mlir.runtime import compiled_region
         from mfusion.mlir.threads import block_module, row_split, split_inputs
 
         rows = row_split(region.module) if threads > 1 else None
-        if rows is None or rows % threads:
+        if rows is None:
             return "", ""
-        try:
-            block_ir = import_region(block_module(region.module, rows, rows // threads))
-            compiled_region(block_ir, pipeline)
-        except Exception:  # a block that does not lower: run the whole region on one thread
+        if compiled.dynamic:
+            block_ir = compiled.ir
+        elif not isinstance(rows, int) or rows % threads:
             return "", ""
+        else:
+            try:
+                block_ir = import_region(block_module(region.module, rows, rows // threads))
+                compiled_region(block_ir, compiled.pipeline)
+            except Exception:  # a block that does not lower: run the whole region on one thread
+                return "", ""
         flags = "".join("1" if f else "0" for f in split_inputs(region.module, rows))
         return block_ir, f"{flags}:{threads}"
 

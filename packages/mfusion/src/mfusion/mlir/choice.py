@@ -10,7 +10,10 @@ slower; otherwise it stays in the graph for Inductor.
   (as ``mfusion::mlir_region`` runs it, minus the output allocation). The Inductor side is the
   region's own FX graph compiled by Inductor standalone (``torch._inductor.compile``, one
   kernel for an element-wise/reduce region), called with the same inputs. Inputs are random
-  normal tensors of the region's static shapes.
+  normal tensors of the region's static shapes. A region with symbolic dims (one MLIR kernel
+  for every size) is timed at the sizes the compile traced with (the symbols' hints) against
+  Inductor's kernel for the region compiled with the same symbolic sizes: the decision taken at
+  that size holds for every size the compiled graph later runs.
 - **How.** Interleaved samples of about :data:`SAMPLE_S` each, alternating which side goes
   first, for :data:`ROUNDS` rounds; the decision compares medians of the per-round times.
 - **Cache.** One JSON file per (region IR hash, pipeline, machine profile fingerprint), under
@@ -232,19 +235,46 @@ def _whole_graph_timer() -> Timer:
     return _TIMER[-1] if _TIMER else graph_timer
 
 
-def example_inputs(gm: fx.GraphModule) -> list[torch.Tensor]:
-    """Random real tensors matching the region's placeholders (static shapes, fp32 normal)."""
+def size_hint(size: int | torch.SymInt) -> int:
+    """A size as a number: an int itself, a symbolic size its hint (the size the compile's
+    example inputs had, which Dynamo traced with). Read without a guard."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    if hint is None:
+        raise ValueError(f"symbolic size {size} has no hint (an unbacked size)")
+    return int(hint)
+
+
+def example_inputs(gm: fx.GraphModule) -> list[Any]:
+    """Random real tensors matching the region's placeholders (fp32 normal), symbolic dims at
+    their hints (:func:`size_hint`); a symbolic size placeholder becomes its hint."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    inputs = []
+    inputs: list[Any] = []
     with unset_fake_temporarily():
         for node in gm.graph.find_nodes(op="placeholder"):
             value = node.meta["val"]
+            if isinstance(value, torch.SymInt):
+                inputs.append(size_hint(value))
+                continue
+            shape = tuple(size_hint(d) for d in value.shape)
             if value.dtype.is_floating_point:
-                inputs.append(torch.randn(tuple(value.shape), dtype=value.dtype))
+                inputs.append(torch.randn(shape, dtype=value.dtype))
             else:
-                inputs.append(torch.zeros(tuple(value.shape), dtype=value.dtype))
+                inputs.append(torch.zeros(shape, dtype=value.dtype))
     return inputs
+
+
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    """Whether a placeholder of ``gm`` has a symbolic dim (or is a symbolic size)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt):
+            return True
+        if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in value.shape):
+            return True
+    return False
 
 
 def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
@@ -267,7 +297,14 @@ def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
     return lambda: compiled(*inputs)
 
 
-def graph_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph (node metadata shared) for a compile that rewrites it."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def graph_kernel(gm: fx.GraphModule, inputs: list[Any]) -> Call:
     """Inductor's compiled code for a whole post-grad graph, as a call on ``inputs``.
 
     Compiled from the post-grad stage on (``compile_fx_inner``: no second AOT trace, no second
@@ -341,7 +378,12 @@ def decide(
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     inputs = example_inputs(gm)
-    inductor_call = inductor_kernel(gm, inputs)
+    if has_symbolic_shapes(gm):
+        # a dynamic region is timed at its hint sizes against the kernel Inductor generates
+        # for the dynamic graph (symbolic sizes), which is what the region would run otherwise
+        inductor_call = graph_kernel(_copy(gm), inputs)
+    else:
+        inductor_call = inductor_kernel(gm, inputs)
     with unset_fake_temporarily():
         mlir_s, inductor_s = _region_timer()(lambda: run_mlir(inputs), inductor_call)
     decision = Decision(mlir_s <= inductor_s, mlir_s, inductor_s, "measured")
@@ -363,14 +405,22 @@ def graph_signature(gm: fx.GraphModule) -> str:
     return digest.hexdigest()
 
 
-def static_inputs_refusal(gm: fx.GraphModule) -> str | None:
-    """Why random inputs cannot be made for ``gm``'s placeholders (None if they can)."""
+def timing_inputs_refusal(gm: fx.GraphModule) -> str | None:
+    """Why random inputs cannot be made for ``gm``'s placeholders (None if they can): symbolic
+    sizes need hints (:func:`size_hint`)."""
     for node in gm.graph.find_nodes(op="placeholder"):
         value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
+        if isinstance(value, torch.SymInt):
+            sizes: tuple[Any, ...] = (value,)
+        elif isinstance(value, torch.Tensor):
+            sizes = tuple(value.shape)
+        else:
             return f"input {node.name} is not a tensor ({type(value).__name__})"
-        if not all(isinstance(d, int) for d in value.shape):
-            return f"input {node.name} has a symbolic shape"
+        try:
+            for size in sizes:
+                size_hint(size)
+        except ValueError as error:
+            return f"input {node.name}: {error}"
     return None
 
 

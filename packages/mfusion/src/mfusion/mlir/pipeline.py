@@ -67,7 +67,10 @@ VECTOR_PIPELINE = ",".join(
         "func.func(canonicalize)",
         "func.func(cse)",
         "func.func(canonicalize)",
-        "buffer-results-to-out-params{hoist-static-allocs modify-public-functions}",
+        # hoist-dynamic-allocs: an output with dynamic (symbolic outer) dims is written straight
+        # into the caller's tensor too, not into a malloc'd buffer copied out afterwards
+        "buffer-results-to-out-params{hoist-static-allocs hoist-dynamic-allocs "
+        "modify-public-functions}",
         "func.func(buffer-loop-hoisting)",
         "func.func(ownership-based-buffer-deallocation)",
         "buffer-deallocation-simplification",

@@ -57,26 +57,32 @@ class CompiledRegion:
         from torch_mlir.execution_engine import ExecutionEngine
 
         self.pipeline = pipeline
+        self.ir = torch_backend_asm
         module = lower_to_llvm(torch_backend_asm, pipeline)
         self.engine = ExecutionEngine(module, opt_level=opt_level)
         self._entry = self.engine.lookup(REGION_FUNC)
         self._local = threading.local()
         self.shapes = signature_shapes(torch_backend_asm)
         """Shapes of the kernel's arguments then results (None: not read from the IR)."""
+        self.dynamic = has_dynamic_dims(torch_backend_asm)
+        """Compiled with dynamic (``?``) dims: one kernel for every size of those dims."""
 
     def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         # The region was compiled for identity layouts: make inputs contiguous (a no-op when
         # they already are) so the strides we pass agree with what the code assumes.
         tensors = [t.contiguous() for t in inputs] + outputs
-        # Shapes are static, so the descriptors are built once per layout (and per thread: row
-        # blocks call one kernel from several threads) and only the data pointers change per
-        # call; building ctypes structures on every call cost tens of microseconds.
+        # The descriptors are built once per layout (and per thread: row blocks call one kernel
+        # from several threads) and only the data pointers change per call; building ctypes
+        # structures on every call cost tens of microseconds. A kernel with dynamic dims sees
+        # many layouts: the most recent ones are kept.
         key = tuple((tuple(t.shape), t.stride()) for t in tensors)
         packs: dict[Any, Any] | None = getattr(self._local, "packs", None)
         if packs is None:
             packs = self._local.packs = {}
         pack = packs.get(key)
         if pack is None:
+            if len(packs) >= _MAX_LAYOUTS:
+                packs.clear()
             descriptors = [memref_of(self._as_compiled(i, t)) for i, t in enumerate(tensors)]
             pointers = [ctypes.pointer(d) for d in descriptors]
             packed = (ctypes.c_void_p * len(pointers))()
@@ -105,6 +111,9 @@ class CompiledRegion:
         return tensor.view(shape)
 
 
+_MAX_LAYOUTS = 64
+"""Descriptor sets kept per kernel and thread (one per argument layout seen)."""
+
 _SIGNATURE = re.compile(rf"func\.func @{REGION_FUNC}\((.*)$", re.MULTILINE)
 _TENSOR_TYPE = re.compile(r"!torch\.vtensor<\[([0-9,]*)\],")
 
@@ -119,6 +128,12 @@ def signature_shapes(torch_backend_asm: str) -> list[tuple[int, ...]] | None:
         tuple(int(d) for d in dims.split(",")) if dims else ()
         for dims in _TENSOR_TYPE.findall(found.group(1))
     ]
+
+
+def has_dynamic_dims(torch_backend_asm: str) -> bool:
+    """Whether the region function's signature has a dynamic (``?``) dim."""
+    found = _SIGNATURE.search(torch_backend_asm)
+    return found is not None and "?" in found.group(1)
 
 
 def region_key(torch_backend_asm: str) -> str:
@@ -157,25 +172,29 @@ def run_blocks(
     split: list[bool],
     blocks: int,
 ) -> None:
-    """Run ``kernel``, compiled for ``rows / blocks`` rows, on each block of rows of the
-    outputs (and of the inputs flagged in ``split``; the others are passed whole), the blocks in
-    parallel on a thread pool (see :mod:`mfusion.mlir.threads`)."""
-    from mfusion.mlir.threads import pool
+    """Run ``kernel``, compiled for ``rows / blocks`` rows (or for any rows: a kernel with
+    dynamic dims, cut into at most ``blocks`` blocks of this call's rows), on each block of rows
+    of the outputs (and of the inputs flagged in ``split``; the others are passed whole), the
+    blocks in parallel on a thread pool (see :mod:`mfusion.mlir.threads`)."""
+    from mfusion.mlir.threads import block_bounds, pool
 
     rows = outputs[0].shape[0]
-    if blocks < 1 or rows % blocks:
+    if kernel.dynamic:
+        bounds = block_bounds(rows, blocks)  # one kernel for any block: cut per call
+    elif blocks < 1 or rows % blocks:
         raise ValueError(f"blocks={blocks} must divide the {rows} rows of the region")
-    step = rows // blocks
+    else:
+        bounds = [(k * (rows // blocks), rows // blocks) for k in range(blocks)]
     tensors = [t.contiguous() for t in inputs]
 
     def one(index: int) -> None:
-        lo = index * step
+        lo, length = bounds[index]
         kernel(
-            [t.narrow(0, lo, step) if s else t for t, s in zip(tensors, split, strict=True)],
-            [o.narrow(0, lo, step) for o in outputs],
+            [t.narrow(0, lo, length) if s else t for t, s in zip(tensors, split, strict=True)],
+            [o.narrow(0, lo, length) for o in outputs],
         )
 
-    futures = [pool(blocks - 1).submit(one, k) for k in range(1, blocks)]
+    futures = [pool(len(bounds) - 1).submit(one, k) for k in range(1, len(bounds))]
     one(0)
     for future in futures:
         future.result()

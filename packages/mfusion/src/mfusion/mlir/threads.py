@@ -5,7 +5,9 @@ The installed torch-mlir wheel ships no OpenMP or async runtime the ExecutionEng
 that torch loads does not export them). So threading is done outside the kernel: a region whose
 rows are independent along dimension 0 is compiled once more for ``rows / threads`` rows, and
 the call runs that kernel on each block of rows from a thread pool. A ctypes call releases the
-GIL, so the blocks run in parallel.
+GIL, so the blocks run in parallel. A region with symbolic dims is one kernel for every size
+already: its blocks run that same kernel, cut per call from the actual row count
+(:func:`block_bounds`), so a row count that does not divide evenly gets blocks one row apart.
 
 A region qualifies (:func:`row_split`) when every op in it keeps dimension 0 as the row index:
 all its values have the same rank and the same leading size, reductions and permutes leave
@@ -31,19 +33,32 @@ _SIZED = (aten.view.default, aten.reshape.default, aten.expand.default)
 _MATMUL = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
-def row_split(gm: fx.GraphModule) -> int | None:
-    """The number of independent rows along dimension 0 of ``gm``'s outputs, or None if some
-    op mixes rows (or shapes are symbolic)."""
+Rows = int | torch.SymInt
+
+
+def same_size(a: object, b: object) -> bool:
+    """Whether two sizes are the same: equal ints, or SymInts of the same expression. Compared
+    without ``==`` on SymInts, which would add a guard to the compile's shape environment."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return bool(a.node.expr == b.node.expr)
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+def row_split(gm: fx.GraphModule) -> Rows | None:
+    """The number of independent rows along dimension 0 of ``gm``'s outputs (a SymInt when
+    dimension 0 is symbolic), or None if some op mixes rows."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     values = [tensor_val(n) for n in nodes]
     if not nodes or any(v is None for v in values):
         return None
     ranks = {v.dim() for v in values if v is not None}
-    leading = {v.shape[0] if v.dim() else None for v in values if v is not None}
-    if len(ranks) != 1 or len(leading) != 1:
+    if len(ranks) != 1 or 0 in ranks:
         return None
-    rank, rows = ranks.pop(), leading.pop()
-    if rank < 2 or not isinstance(rows, int) or rows < 2:
+    rank = ranks.pop()
+    rows = values[0].shape[0] if values[0] is not None else None
+    if any(v is None or not same_size(v.shape[0], rows) for v in values):
+        return None
+    if rank < 2 or not _splittable(rows):
         return None
     for node in nodes:
         if node.target in _MATMUL:
@@ -60,28 +75,42 @@ def row_split(gm: fx.GraphModule) -> int | None:
                 return None
         elif node.target in _SIZED:
             size = node.args[1]
-            if not isinstance(size, (list, tuple)) or size[0] != rows:
+            if not isinstance(size, (list, tuple)) or not same_size(_size(size[0]), rows):
                 return None
         elif node.target is aten.unsqueeze.default:
             return None  # changes the rank: excluded by the rank check anyway
     for placeholder in gm.graph.find_nodes(op="placeholder"):
         value = tensor_val(placeholder)
-        if value is None or not all(isinstance(s, int) for s in value.shape):
+        if value is None:
             return None
-        if value.dim() == rank and value.shape[0] not in (rows, 1):
+        if value.dim() == rank and not (
+            same_size(value.shape[0], rows) or same_size(value.shape[0], 1)
+        ):
             return None
         if value.dim() > rank:
             return None
     return rows
 
 
-def split_inputs(gm: fx.GraphModule, rows: int) -> list[bool]:
+def _splittable(rows: object) -> bool:
+    """Rows worth splitting: a symbolic count (decided per call), or a static one of 2 or more."""
+    return isinstance(rows, torch.SymInt) or (isinstance(rows, int) and rows >= 2)
+
+
+def _size(value: object) -> object:
+    """A view's size argument as a size: an FX node's value (a SymInt) or the int itself."""
+    return value.meta.get("val") if isinstance(value, fx.Node) else value
+
+
+def split_inputs(gm: fx.GraphModule, rows: Rows) -> list[bool]:
     """For each placeholder: True if it is split with the rows, False if passed whole."""
     flags = []
     for placeholder in gm.graph.find_nodes(op="placeholder"):
         value = tensor_val(placeholder)
         assert value is not None
-        flags.append(value.dim() >= 2 and value.shape[0] == rows and value.dim() == _rank(gm))
+        flags.append(
+            value.dim() >= 2 and same_size(value.shape[0], rows) and value.dim() == _rank(gm)
+        )
     return flags
 
 
@@ -117,6 +146,19 @@ def block_module(gm: fx.GraphModule, rows: int, block: int) -> fx.GraphModule:
         shape = [block, *value.shape[1:]] if split else list(value.shape)
         inputs.append(torch.zeros(shape, dtype=value.dtype))
     return make_fx(adjusted, tracing_mode="fake")(*inputs)
+
+
+def block_bounds(rows: int, blocks: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each of at most ``blocks`` row blocks covering ``rows`` rows, the
+    lengths at most one apart (no empty block: fewer rows than blocks gives one-row blocks)."""
+    count = max(1, min(blocks, rows))
+    base, extra = divmod(rows, count)
+    bounds, start = [], 0
+    for index in range(count):
+        length = base + (1 if index < extra else 0)
+        bounds.append((start, length))
+        start += length
+    return bounds
 
 
 _POOL: list[concurrent.futures.ThreadPoolExecutor] = []

@@ -98,16 +98,17 @@ def loop_ranges(op: ir.Operation) -> list[int | None]:
 def tile_sizes(ranges: list[int | None], reduction: bool = False) -> list[int] | None:
     """Tile sizes for one op (0 = untiled), or None to leave it to scalar loops.
 
-    Every loop but the innermost is tiled by 1, so one tile is one innermost row; the row is
+    Every loop but the innermost is tiled by 1, so one tile is one innermost row whatever the
+    outer trip counts are (dynamic outer dims, ``None`` in ``ranges``, loop with dynamic bounds
+    and leave the tile static); only the innermost range must be static. The row is
     kept whole up to :data:`WHOLE_ROW` elements (:data:`MAX_REDUCTION` when the innermost loop
     is a reduction), else tiled by the largest multiple of :data:`MIN_VECTOR` dividing it and
     at most :data:`MAX_VECTOR` (:data:`MAX_REDUCTION`); a reduction row then accumulates tile
     by tile.
     """
-    if not ranges or any(r is None for r in ranges):
+    if not ranges or ranges[-1] is None:
         return None
     last = ranges[-1]
-    assert last is not None
     limit = MAX_REDUCTION if reduction else MAX_VECTOR
     if last <= (MAX_REDUCTION if reduction else WHOLE_ROW):
         inner = 0
@@ -292,7 +293,10 @@ def fuse_rows(module: ir.Module) -> int:
                         1 if "parallel" in kind and i < len(kinds) - 1 else 0
                         for i, kind in enumerate(kinds)
                     ]
-                    if any(sizes) and all(r is not None for r in loop_ranges(owner)):
+                    # outer loops (tile size 1) may run to dynamic bounds; the innermost,
+                    # vectorised whole or in static pieces, needs a static range
+                    ranges = loop_ranges(owner)
+                    if any(sizes) and ranges and ranges[-1] is not None:
                         roots.append((owner, sizes))
         return ir.WalkResult.ADVANCE
 
@@ -355,7 +359,8 @@ def fold_empty_slices(module: ir.Module) -> None:
 
 def tile_and_vectorize(module: ir.Module) -> int:
     """Tile every ``linalg.generic`` of ``module`` (linalg on tensors) to innermost rows and
-    vectorise it; ops with dynamic or unsuitable loop ranges stay as they are (scalar loops).
+    vectorise it; ops with a dynamic innermost range or unsuitable ranges stay as they are
+    (scalar loops).
 
     Returns:
         The number of ops vectorised.
