@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import mfusion
-from mfusion.passes.chunked_ce import NAME, chunk_rows
+from mfusion.joint.chunked_ce import NAME, chunk_rows
 
 VOCAB, WIDTH = 40, 16
 TOKENS = (2, 9)  # 18 rows: not a multiple of the 5-row chunks below
@@ -261,7 +261,7 @@ def test_returned_logits_and_small_logits_and_inference_are_refused():
 
 
 def test_install_sets_and_restores_the_joint_pass():
-    from mfusion.passes.chunked_ce import ChunkedCrossEntropyPass
+    from mfusion.joint.chunked_ce import ChunkedCrossEntropyPass
 
     assert inductor_config.joint_custom_pre_pass is None
     mfusion.install(backend="inductor")

@@ -12,7 +12,7 @@ import torch._inductor.config as inductor_config
 
 from mfusion.backends.registry import BackendName, get_backend
 from mfusion.config import MFusionConfig
-from mfusion.passes.chunked_ce import ChunkedCrossEntropyPass
+from mfusion.joint.chunked_ce import ChunkedCrossEntropyPass
 from mfusion.passes.manager import MFusionPassManager
 
 _LOCK = threading.Lock()

@@ -7,7 +7,7 @@ logits and autograd saves their log-softmax for backward: 8k tokens x 152k vocab
 decided what is saved, too late to change it; in the joint graph the forward and backward are
 still one graph, so the pass replaces the head GEMM, log-softmax and NLL (forward) and the NLL and
 log-softmax backward with the head's gradient GEMMs (backward) by ``mfusion::chunked_ce_forward``
-and ``mfusion::chunked_ce_backward`` (:mod:`mfusion.passes.chunked_ce_ops`). The partitioner that
+and ``mfusion::chunked_ce_backward`` (:mod:`mfusion.joint.chunked_ce_ops`). The partitioner that
 runs next saves only the hidden states, the weight, the targets and a ``[tokens]`` log-sum-exp.
 
 What is matched is the joint graph as Inductor's decompositions spell it (``log_softmax`` as
@@ -37,7 +37,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mfusion.config import MFusionConfig
-from mfusion.passes import chunked_ce_ops
+from mfusion.joint import chunked_ce_ops
 from mfusion.passes._graph import CONVERT, aten, fake_mode_of, int_list, is_op, tensor_val
 from mfusion.passes.base import Refusal
 from mfusion.report import Decision, GraphReport, new_graph_report
