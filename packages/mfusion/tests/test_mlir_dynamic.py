@@ -169,6 +169,22 @@ def test_matmul_with_symbolic_rows_is_refused_epilogue_outlined(harness, monkeyp
         torch.testing.assert_close(got, linear_gelu(*real), atol=1e-4, rtol=1e-4)
 
 
+def test_region_reading_a_symbolic_size_stays_with_inductor(harness, monkeypatch):
+    """A view of a dynamic shape takes its sizes from the graph: the call passes tensors only,
+    so the region is refused with the size it reads, and the graph still equals eager."""
+    monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")
+
+    def flatten_rows(x):
+        return torch.exp(x).view(x.shape[0] * x.shape[1], HIDDEN) * 2.0
+
+    gm = trace_outer_dynamic(flatten_rows, torch.randn(2, 3, HIDDEN), dynamic=((0, 1),))
+    outlined, record = _fuse(gm, harness.machine("AVX2"))
+    assert outlined == 0
+    assert any("region reads the symbolic size" in r.reason for r in record.regions), record
+    x = torch.randn(5, 7, HIDDEN)
+    torch.testing.assert_close(gm(x), flatten_rows(x))
+
+
 def test_choice_is_measured_at_the_hint_size(harness, tmp_path, monkeypatch):
     """The measured choice times the dynamic kernel and Inductor's kernel for the same dynamic
     region on inputs of the traced (hint) sizes (the injected timer runs both once)."""
