@@ -109,11 +109,13 @@ def mlir_region(
     block_ir: str = "",
     split: str = "",
 ) -> list[torch.Tensor]:
-    """Run a JIT-compiled region; outputs are allocated here and filled by the kernel.
+    """Run a JIT-compiled region; outputs are allocated here (sizes from ``out_spec``, symbolic
+    ones read from ``inputs``) and filled by the kernel.
 
-    With ``block_ir`` (the region compiled for one block of rows) the rows run as blocks on
-    threads; ``split`` is one flag per input (``1``: split with the rows, ``0``: passed whole),
-    then ``:<number of blocks>``.
+    With ``block_ir`` (the region compiled for one block of rows; for a kernel with dynamic
+    dims, the region's own IR) the rows run as blocks on threads; ``split`` is one flag per
+    input (``1``: split with the rows, ``0``: passed whole), then ``:<number of blocks>`` (at
+    most that many for a dynamic kernel, cut from this call's rows).
     """
     from mfusion.mlir.runtime import compiled_region, run_blocks
 
