@@ -16,6 +16,12 @@ transform dialect then builds the usual CPU GEMM loop nest:
 - the epilogue is vectorised on the M_block x N_panel accumulator, so the result is written
   once.
 
+Before tiling, the forms of a training step are brought to that shape: every element-wise
+generic behind the matmul is merged into one generic with one result per returned value
+(:func:`merge_epilogue`: a forward that also returns its pre-activation, a backward epilogue
+with several gradient pieces, a bare ``mm``), and a transposed left operand (a weight gradient
+``g^T x``) is read through the matmul's indexing map (:func:`fold_left_transpose`).
+
 Rows come in :data:`BLOCK_M`-row blocks whatever M is: the loop over them is peeled, so the
 last ``M % BLOCK_M`` rows run in a loop of their own with static sizes (no masks). Taking the
 largest divisor of M instead gave 1-row blocks for a prime M (197 tokens, 13), at 2-2.3x the
