@@ -248,7 +248,13 @@ def size_hint(size: int | torch.SymInt) -> int:
 
 def example_inputs(gm: fx.GraphModule) -> list[Any]:
     """Random real tensors matching the region's placeholders (fp32 normal), symbolic dims at
-    their hints (:func:`size_hint`); a symbolic size placeholder becomes its hint."""
+    their hints (:func:`size_hint`); a symbolic size placeholder becomes its hint.
+
+    Each tensor has its placeholder's strides, not a contiguous layout: Inductor compiles a
+    graph for the traced strides and asserts them on every input (``assert_size_stride``,
+    ``Error in op: input``), and a backward graph reads saved tensors in other layouts (an
+    attention output saved as a transposed view), so contiguous inputs failed such a graph
+    before it was timed. A region is timed on the layout it reads in the graph, too."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     inputs: list[Any] = []
@@ -258,12 +264,22 @@ def example_inputs(gm: fx.GraphModule) -> list[Any]:
             if isinstance(value, torch.SymInt):
                 inputs.append(size_hint(value))
                 continue
-            shape = tuple(size_hint(d) for d in value.shape)
-            if value.dtype.is_floating_point:
-                inputs.append(torch.randn(shape, dtype=value.dtype))
-            else:
-                inputs.append(torch.zeros(shape, dtype=value.dtype))
+            shape = [size_hint(d) for d in value.shape]
+            stride = [size_hint(s) for s in value.stride()]
+            inputs.append(_strided_random(shape, stride, value.dtype))
     return inputs
+
+
+def _strided_random(shape: list[int], stride: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``stride`` over a fresh storage just large enough, random
+    normal for a floating dtype and zeros otherwise. The storage is filled, not the view, so an
+    overlapping layout (a stride-0 broadcast) is fine."""
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    if dtype.is_floating_point:
+        storage = torch.randn(extent, dtype=dtype)
+    else:
+        storage = torch.zeros(extent, dtype=dtype)
+    return storage.as_strided(shape, stride)
 
 
 def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
@@ -407,13 +423,13 @@ def graph_signature(gm: fx.GraphModule) -> str:
 
 def timing_inputs_refusal(gm: fx.GraphModule) -> str | None:
     """Why random inputs cannot be made for ``gm``'s placeholders (None if they can): symbolic
-    sizes need hints (:func:`size_hint`)."""
+    sizes and strides need hints (:func:`size_hint`)."""
     for node in gm.graph.find_nodes(op="placeholder"):
         value = node.meta.get("val")
         if isinstance(value, torch.SymInt):
             sizes: tuple[Any, ...] = (value,)
         elif isinstance(value, torch.Tensor):
-            sizes = tuple(value.shape)
+            sizes = (*value.shape, *value.stride())
         else:
             return f"input {node.name} is not a tensor ({type(value).__name__})"
         try:
