@@ -78,6 +78,30 @@ class PassHarness:
         return make_fx(fn, tracing_mode=mode)(*args)
 
     @staticmethod
+    def trace_dynamic(fn: Any, *args: torch.Tensor, dynamic: Any) -> torch.fx.GraphModule:
+        """The aten graph of ``fn`` with the dims listed per argument in ``dynamic`` symbolic and
+        every other dim static (Dynamo's ``dynamic=True`` on batch and sequence with a fixed
+        hidden size, or on tokens with static weights), fake-tensor metadata with hints at the
+        example sizes."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import (
+            DimDynamic,
+            ShapeEnv,
+            StatelessSymbolicContext,
+        )
+
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        fakes = []
+        for arg, dims in zip(args, dynamic, strict=True):
+            sizes = [
+                DimDynamic.DYNAMIC if i in dims else DimDynamic.STATIC for i in range(arg.dim())
+            ]
+            context = StatelessSymbolicContext(sizes)
+            fakes.append(mode.from_tensor(arg, symbolic_context=context))
+        with mode:
+            return make_fx(fn, tracing_mode="fake")(*fakes)
+
+    @staticmethod
     def trace_on(device: str, fn: Any, *args: torch.Tensor, decompose: bool = True) -> Any:
         """The aten graph of ``fn`` with its tensor arguments moved to ``device`` as fake tensors
         (``"cuda"`` traces without a GPU: no kernel runs), with Inductor's decompositions, as

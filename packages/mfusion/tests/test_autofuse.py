@@ -87,12 +87,12 @@ def test_capability_table_filters_by_op_dtype_and_shape(harness):
     gm16 = harness.trace(fn, torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4).bfloat16())
     assert "dtype torch.bfloat16" in MLIR_CPU_TABLE.check(_nodes(gm16)["exp"])
     dyn = harness.trace(fn, torch.randn(4, 4), torch.randn(4, 4), mode="symbolic")
-    # symbolic outer dims are taken by row ops, a symbolic innermost dim and matmuls are not
+    # symbolic outer dims (a matmul's M) are taken; a symbolic innermost dim, K or N is not
     refusal = MLIR_CPU_TABLE.check(_nodes(dyn)["exp"])
     assert isinstance(refusal, ShapeRefusal) and refusal.startswith("symbolic inner dim s")
     refusal = MLIR_CPU_TABLE.check(_nodes(dyn)["mm"])
     assert isinstance(refusal, ShapeRefusal) and refusal.startswith("symbolic dim s")
-    assert refusal.endswith("compiles matmul ops for static shapes only")
+    assert refusal.endswith("compiles matmul ops with a static K and N")
 
 
 def test_matmul_only_leads_epilogue_regions(harness):

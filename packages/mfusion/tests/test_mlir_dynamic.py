@@ -1,6 +1,7 @@
 """mlir-cpu regions with symbolic outer dims: one kernel for every size, outputs allocated from
 the call's inputs, row blocks cut per call, the measured choice taken at the traced sizes, and
-explicit refusals for what stays static (a symbolic innermost dim, matmul regions)."""
+explicit refusals for what stays static (a symbolic innermost dim; matmul regions with a
+symbolic row count are in ``test_mlir_dynamic_gemm``)."""
 
 from __future__ import annotations
 
@@ -21,27 +22,6 @@ from mfusion.report import GraphReport
 
 REGION_OP = torch.ops.mfusion.mlir_region.default
 HIDDEN = 48
-
-
-def trace_outer_dynamic(fn, *args, dynamic):
-    """The aten graph of ``fn`` with the dims listed per argument in ``dynamic`` symbolic and
-    every other dim static (Dynamo's ``dynamic=True`` on batch and sequence with a fixed hidden
-    size), fake-tensor metadata with hints at the example sizes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import (
-        DimDynamic,
-        ShapeEnv,
-        StatelessSymbolicContext,
-    )
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    fakes = []
-    for arg, dims in zip(args, dynamic, strict=True):
-        sizes = [DimDynamic.DYNAMIC if i in dims else DimDynamic.STATIC for i in range(arg.dim())]
-        fakes.append(mode.from_tensor(arg, symbolic_context=StatelessSymbolicContext(sizes)))
-    with mode:
-        return make_fx(fn, tracing_mode="fake")(*fakes)
 
 
 def norm_gelu_residual(x, r, w, b):
@@ -77,7 +57,7 @@ def test_one_kernel_runs_every_size(harness, monkeypatch):
     """The region is outlined once with dynamic outer dims; its outputs are allocated from the
     inputs' sizes, and every size (odd ones, one row) equals eager."""
     monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")
-    gm = trace_outer_dynamic(norm_gelu_residual, *_args(2, 5), dynamic=OUTER)
+    gm = harness.trace_dynamic(norm_gelu_residual, *_args(2, 5), dynamic=OUTER)
     outlined, record = _fuse(gm, harness.machine("AVX2"))
     assert outlined == 1 and record.regions[0].outlined
     (call,) = [n for n in gm.graph.nodes if n.target is REGION_OP]
@@ -91,7 +71,7 @@ def test_one_kernel_runs_every_size(harness, monkeypatch):
 
 
 def test_out_spec_reads_symbolic_dims_from_inputs(harness):
-    gm = trace_outer_dynamic(
+    gm = harness.trace_dynamic(
         lambda x, w: (x * w).sum(-1), torch.randn(4, 8), torch.randn(8), dynamic=((0,), ())
     )
     x, w = (n.meta["val"] for n in gm.graph.find_nodes(op="placeholder"))
@@ -118,7 +98,7 @@ def test_two_thread_profile_splits_dynamic_rows(harness, monkeypatch):
     """A two-thread machine profile runs the dynamic kernel on row blocks cut per call (odd
     counts, one row) and equals eager."""
     monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")
-    gm = trace_outer_dynamic(norm_gelu_residual, *_args(6, 5), dynamic=OUTER)
+    gm = harness.trace_dynamic(norm_gelu_residual, *_args(6, 5), dynamic=OUTER)
     outlined, record = _fuse(gm, harness.machine("AVX2", {"threads": 2}))
     assert outlined == 1 and "2 row blocks on threads" in record.regions[0].reason
     (call,) = [n for n in gm.graph.nodes if n.target is REGION_OP]
@@ -131,7 +111,9 @@ def test_two_thread_profile_splits_dynamic_rows(harness, monkeypatch):
 
 def test_symbolic_inner_dim_is_refused_with_the_dim(harness, monkeypatch):
     monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")
-    gm = trace_outer_dynamic(norm_gelu_residual, *_args(2, 5), dynamic=((0, 2), (0, 2), (0,), (0,)))
+    gm = harness.trace_dynamic(
+        norm_gelu_residual, *_args(2, 5), dynamic=((0, 2), (0, 2), (0,), (0,))
+    )
     inner = str(gm.graph.find_nodes(op="placeholder")[0].meta["val"].shape[2])
     _, record = _fuse(gm, harness.machine("AVX2"))
     refused = [r.reason for r in record.regions if not r.outlined]
@@ -147,28 +129,6 @@ def test_symbolic_inner_dim_is_refused_with_the_dim(harness, monkeypatch):
         torch.testing.assert_close(gm(*args), norm_gelu_residual(*args), atol=1e-5, rtol=1e-5)
 
 
-def test_matmul_with_symbolic_rows_is_refused_epilogue_outlined(harness, monkeypatch):
-    """GEMM blocks are cut from static sizes: the matmul is refused (the report names the dim)
-    and stays with Inductor; its row-wise epilogue still compiles as a dynamic region."""
-    monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")
-
-    def linear_gelu(x, w, b):
-        y = torch.addmm(b, x, w.t())
-        return 0.5 * y * (1 + torch.tanh(0.79788456 * (y + 0.044715 * y * y * y)))
-
-    args = (torch.randn(9, 16), torch.randn(32, 16), torch.randn(32))
-    gm = trace_outer_dynamic(linear_gelu, *args, dynamic=((0,), (), ()))
-    outlined, record = _fuse(gm, harness.machine("AVX2"))
-    refused = [r.reason for r in record.regions if r.reason.startswith("refused:")]
-    assert len(refused) == 1 and "(dim 0) of addmm's" in refused[0]
-    assert refused[0].endswith("mlir-cpu compiles matmul ops for static shapes only")
-    assert outlined == 1 and harness.count(gm, torch.ops.aten.addmm.default) == 1
-    for rows in (1, 9, 130):
-        real = (torch.randn(rows, 16), *args[1:])
-        got = gm(*real)
-        torch.testing.assert_close(got, linear_gelu(*real), atol=1e-4, rtol=1e-4)
-
-
 def test_region_reading_a_symbolic_size_stays_with_inductor(harness, monkeypatch):
     """A view of a dynamic shape takes its sizes from the graph: the call passes tensors only,
     so the region is refused with the size it reads, and the graph still equals eager."""
@@ -177,7 +137,7 @@ def test_region_reading_a_symbolic_size_stays_with_inductor(harness, monkeypatch
     def flatten_rows(x):
         return torch.exp(x).view(x.shape[0] * x.shape[1], HIDDEN) * 2.0
 
-    gm = trace_outer_dynamic(flatten_rows, torch.randn(2, 3, HIDDEN), dynamic=((0, 1),))
+    gm = harness.trace_dynamic(flatten_rows, torch.randn(2, 3, HIDDEN), dynamic=((0, 1),))
     outlined, record = _fuse(gm, harness.machine("AVX2"))
     assert outlined == 0
     assert any("region reads the symbolic size" in r.reason for r in record.regions), record
@@ -190,7 +150,7 @@ def test_choice_is_measured_at_the_hint_size(harness, tmp_path, monkeypatch):
     region on inputs of the traced (hint) sizes (the injected timer runs both once)."""
     monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MFUSION_MLIR_CHOICE", raising=False)
-    gm = trace_outer_dynamic(norm_gelu_residual, *_args(3, 5), dynamic=OUTER)
+    gm = harness.trace_dynamic(norm_gelu_residual, *_args(3, 5), dynamic=OUTER)
     assert [tuple(t.shape) for t in choice.example_inputs(gm)] == [
         (3, 5, HIDDEN),
         (3, 5, HIDDEN),

@@ -57,6 +57,10 @@ class OpCapability:
     static_inner_dim: bool = False
     """Symbolic dims are accepted except in the innermost (last) dim: kernels loop over outer
     dims with dynamic bounds and vectorise a static row (``static_shapes`` overrides it)."""
+    symbolic_rows_only: bool = False
+    """A matmul whose row count M alone may be symbolic (dim 0 of the output and of the left
+    operand): row blocks run to a dynamic bound, while K and N, which the packed weight panels
+    are cut from, stay static (the right operand, the op's last argument, is all static)."""
 
 
 class ShapeRefusal(str):
@@ -107,7 +111,11 @@ class CapabilityTable:
             if value.dim() > cap.max_rank:
                 return f"rank {value.dim()} above {self.backend}'s limit {cap.max_rank}"
             static = all(isinstance(s, int) for s in value.shape)
-            if (cap.static_shapes or cap.static_inner_dim) and not static:
+            if cap.symbolic_rows_only and not static:
+                refusal = _symbolic_k_or_n(self.backend, node, value, value is out)
+                if refusal is not None:
+                    return refusal
+            elif (cap.static_shapes or cap.static_inner_dim) and not static:
                 found = _symbolic_dim(tuple(value.shape), inner_only=not cap.static_shapes)
                 if found is not None:
                     index, dim = found
@@ -127,6 +135,26 @@ class CapabilityTable:
         return cap
 
 
+def _symbolic_k_or_n(
+    backend: str, node: fx.Node, value: torch.Tensor, is_output: bool
+) -> ShapeRefusal | None:
+    """A refusal naming a symbolic K or N of a matmul (any symbolic dim of its right operand, a
+    symbolic dim other than dim 0 elsewhere), or None when only the row count is symbolic."""
+    right = node.args[-1]
+    rows_may_vary = is_output or not (isinstance(right, fx.Node) and tensor_val(right) is value)
+    dims = list(enumerate(value.shape))[1 if rows_may_vary else 0 :]
+    found = next(((i, d) for i, d in dims if not isinstance(d, int)), None)
+    if found is None:
+        return None
+    index, dim = found
+    return ShapeRefusal(
+        f"symbolic dim {dim} (dim {index}) of {node.name}'s "
+        f"{'output' if is_output else 'input'} {_shape(value)}: "
+        f"{backend} compiles matmul ops with a static K and N",
+        dim,
+    )
+
+
 def _shape(value: torch.Tensor) -> str:
     return f"({', '.join(map(str, value.shape))})"
 
@@ -140,14 +168,24 @@ def _table(
     max_numel: int | None = None,
     static_shapes: bool | frozenset[RegionKind] = False,
     static_inner_dim: bool = False,
+    symbolic_rows_only: frozenset[RegionKind] = frozenset(),
 ) -> CapabilityTable:
-    """``static_shapes``: True for every op, or the kinds whose ops need static shapes."""
+    """``static_shapes``: True for every op, or the kinds whose ops need static shapes;
+    ``symbolic_rows_only``: the (matmul) kinds that take a symbolic row count only."""
 
     def static(kind: RegionKind) -> bool:
         return static_shapes if isinstance(static_shapes, bool) else kind in static_shapes
 
     ops = {
-        op: OpCapability(kind, dtypes, max_rank, max_numel, static(kind), static_inner_dim)
+        op: OpCapability(
+            kind,
+            dtypes,
+            max_rank,
+            max_numel,
+            static(kind),
+            static_inner_dim,
+            kind in symbolic_rows_only,
+        )
         for kind, group in groups.items()
         for op in group
     }
@@ -166,12 +204,13 @@ INDUCTOR_TABLE = _table("inductor", ALL_KINDS, FLOATS | {torch.float64})
 # The JIT's vector pipeline tiles and vectorises rows (element-wise, reductions, softmax, norms)
 # and, since 0.3.4, one 2-D matmul (mm / addmm) with its element-wise epilogue
 # (mfusion.mlir.gemm: packed panels, register blocks, epilogue in the tile). No bmm: the GEMM
-# strategy is 2-D. Matmul regions need static shapes (the GEMM blocks are cut from static M and
-# N); row regions take symbolic outer dims (one kernel for every size, rows looped to dynamic
-# bounds) but need a static innermost dim, the row they vectorise. max_numel bounds what
-# one kernel is handed (64 MiB of fp32 per tensor): a size guard, not a measured speed
-# threshold; whether a region pays (a GEMM against Inductor's BLAS call) is measured per region
-# (mfusion.mlir.choice).
+# strategy is 2-D. Matmul regions take a symbolic row count M (tokens: full 4-row blocks to a
+# dynamic bound, the M mod 4 rest in 1-row blocks) but need a static K and N (the packed weight
+# panels and the N panels are cut from them); row regions take symbolic outer dims (one kernel
+# for every size, rows looped to dynamic bounds) but need a static innermost dim, the row they
+# vectorise. max_numel bounds what one kernel is handed (64 MiB of fp32 per tensor): a size
+# guard, not a measured speed threshold; whether a region pays (a GEMM against Inductor's BLAS
+# call) is measured per region (mfusion.mlir.choice).
 MLIR_CPU_MATMUL_OPS = (aten.mm.default, aten.addmm.default)
 MLIR_CPU_TABLE = _table(
     "mlir-cpu",
@@ -181,7 +220,7 @@ MLIR_CPU_TABLE = _table(
     },
     frozenset({torch.float32}),
     max_numel=1 << 24,
-    static_shapes=frozenset({RegionKind.MATMUL}),
     static_inner_dim=True,
+    symbolic_rows_only=frozenset({RegionKind.MATMUL}),
 )
 NPU_TABLE = _table("npu", ALL_KINDS, FLOATS, max_rank=8)

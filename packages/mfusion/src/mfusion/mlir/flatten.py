@@ -74,6 +74,8 @@ def flatten_gemm_region(gm: fx.GraphModule) -> fx.GraphModule | None:
     values = [p.meta.get("val") for p in placeholders]
     if not all(isinstance(v, torch.Tensor) for v in values):
         return None
+    if any(not isinstance(size, int) for v in values for size in v.shape):
+        return None  # retraced with concrete sizes, a symbolic row count would be fixed
     has_views = any(n.op == "call_function" and n.target in _VIEWS for n in gm.graph.nodes)
     if not has_views and all(v.dim() <= 2 for v in values):
         return None

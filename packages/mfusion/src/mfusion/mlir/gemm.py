@@ -75,13 +75,18 @@ def has_matmul(module: ir.Module) -> bool:
     return bool(_ops(module, "linalg.matmul"))
 
 
-def _static_shape(value: ir.Value) -> list[int]:
+DYNAMIC = None
+"""A dynamic (symbolic) row count in :func:`gemm_script`'s ``m``."""
+
+
+def _shape(value: ir.Value, dynamic_rows: bool = False) -> list[int]:
+    """The static shape of ``value``; with ``dynamic_rows`` dim 0 may be dynamic (a negative
+    size, MLIR's ``?``), every other dim must be static."""
     from torch_mlir import ir
 
-    shaped = ir.ShapedType(value.type)
-    shape = list(shaped.shape)
-    if any(s < 0 for s in shape):
-        raise ValueError("matmul regions are compiled for static shapes")
+    shape = list(ir.ShapedType(value.type).shape)
+    if any(s < 0 for s in shape[1 if dynamic_rows else 0 :]):
+        raise ValueError("matmul regions are compiled for a static K and N")
     return shape
 
 
@@ -98,18 +103,26 @@ def _fresh_destination(transpose: ir.Operation) -> None:
     transpose.operands[1] = fresh.result
 
 
-def row_block(m: int) -> tuple[int, bool]:
+def row_block(m: int | None) -> tuple[int, bool]:
     """``(rows per block, peel)``: :data:`BLOCK_M`-row blocks, the ragged last block of M
-    peeled into a loop of its own (``peel``), or M itself when it is smaller than a block."""
+    peeled into a loop of its own (``peel``), or M itself when it is smaller than a block. A
+    dynamic M (:data:`DYNAMIC`) is always peeled: its rest, 0 to 3 rows, is known per call."""
+    if m is None:
+        return BLOCK_M, True
     if m <= BLOCK_M:
         return m, False
     return BLOCK_M, m % BLOCK_M != 0
 
 
-def gemm_script(m: int, n: int, k: int, transposed: bool) -> str:
+def gemm_script(m: int | None, n: int, k: int, transposed: bool) -> str:
     """The transform sequence: panels over N (pack fused), row blocks over M (a ragged last
     block peeled), K steps of 1, vectorise, keep the accumulator in registers, lower
-    contractions to outer products."""
+    contractions to outer products.
+
+    With a dynamic M (``m`` is :data:`DYNAMIC`) the full blocks run to ``M - M mod 4`` (a
+    dynamic bound, static 4-row tiles) and the peeled rest, whose 0-3 rows are only known per
+    call, is tiled again into 1-row blocks: every tile keeps a static shape, so both loops
+    take the same vectorised lowering without masks."""
     block_m, peel = row_block(m)
     panel_n = largest_divisor(n, PANEL_N)
     rows = largest_divisor(k, TRANSPOSE_ROWS)
@@ -141,15 +154,41 @@ def gemm_script(m: int, n: int, k: int, transposed: bool) -> str:
         f"%epi_b, %block = transform.structured.tile_using_for %epi_n tile_sizes [{block_m}, 0] "
         f": ({op}) -> ({op}, {op})",
         f"%mm_b, %b1 = transform.structured.fuse_into_containing_op %mm_n into %block : {pair}",
-        f"%fill_b, %b2 = transform.structured.fuse_into_containing_op %fill_n into %b1 : {pair}",
         match("func", "func.func"),
+    ]
+    if m is None:
+        # a dynamic M reads its row counts through tensor.dim of the panel's fill; folded to
+        # the input's dim, so the fill's only use in the row loop is the slice it is fused by
+        lines += [
+            "transform.apply_patterns to %func {",
+            "  transform.apply_patterns.canonicalization",
+            f"}} : {op}",
+        ]
+    lines += [
+        f"%fill_b, %b2 = transform.structured.fuse_into_containing_op %fill_n into %b1 : {pair}",
     ]
     if peel:
         # full blocks in one loop, the last M % BLOCK_M rows in a second: both static-sized
-        # after canonicalisation, so both vectorise without masks
+        # after canonicalisation (a dynamic M's rest after its 1-row tiling, below), so both
+        # vectorise without masks
         lines += [
             f"%rows = transform.cast %b2 : {op} to {loop}",
             f"%full, %rest = transform.loop.peel %rows : ({loop}) -> ({op}, {op})",
+        ]
+    if peel and m is None:
+        # the rest's row count is dynamic (M mod 4): one row per block
+        lines += [
+            match("epi_r", "linalg.generic", "%rest"),
+            match("mm_r", "linalg.matmul", "%rest"),
+            match("fill_r", "linalg.fill", "%rest"),
+            f"%epi_1, %one = transform.structured.tile_using_for %epi_r tile_sizes [1, 0] "
+            f": ({op}) -> ({op}, {op})",
+            f"%mm_1, %o1 = transform.structured.fuse_into_containing_op %mm_r into %one : {pair}",
+            f"%fill_1, %o2 = transform.structured.fuse_into_containing_op %fill_r into %o1 "
+            f": {pair}",
+        ]
+    if peel:
+        lines += [
             "transform.apply_patterns to %func {",
             "  transform.apply_patterns.canonicalization",
             f"}} : {op}",
@@ -266,11 +305,11 @@ def merge_epilogue(module: ir.Module, matmul: ir.Operation) -> ir.Operation:
             reduction, a broadcast of an intermediate, a prologue feeding the matmul).
     """
     from torch_mlir import ir
-    from torch_mlir.dialects import linalg, tensor
+    from torch_mlir.dialects import arith, linalg, tensor
 
     (ret,) = _ops(module, "func.return")
     generics = _ops(module, "linalg.generic")
-    result_shape = _static_shape(matmul.results[0])
+    result_shape = _shape(matmul.results[0], dynamic_rows=True)
     element = ir.RankedTensorType(matmul.results[0].type).element_type
 
     def produced_by_group(value: ir.Value) -> tuple[ir.Operation, int] | None:
@@ -291,7 +330,7 @@ def merge_epilogue(module: ir.Module, matmul: ir.Operation) -> ir.Operation:
         maps = list(ir.ArrayAttr(g.attributes["indexing_maps"]))
         n_in = len(g.operands) - len(g.results)
         for result, attr in zip(g.results, maps[n_in:], strict=True):
-            if _static_shape(result) != result_shape or not _identity(attr):
+            if _shape(result, dynamic_rows=True) != result_shape or not _identity(attr):
                 raise ValueError("an epilogue result that is not M x N")
         for operand, attr in zip(g.operands[:n_in], maps[:n_in], strict=True):
             if (is_matmul(operand) or produced_by_group(operand)) and not _identity(attr):
@@ -327,7 +366,11 @@ def merge_epilogue(module: ir.Module, matmul: ir.Operation) -> ir.Operation:
         input_maps.append(ir.AffineMapAttr.get(ir.AffineMap.get_identity(2)))
     out_map = ir.AffineMapAttr.get(ir.AffineMap.get_identity(2))
     with ir.InsertionPoint(ret):
-        outputs = [tensor.EmptyOp(result_shape, element).result for _ in returned]
+        sizes: list[int | ir.Value] = list(result_shape)
+        if result_shape[0] < 0:  # a dynamic row count: the matmul's own
+            zero = arith.ConstantOp(ir.IndexType.get(), 0).result
+            sizes[0] = tensor.DimOp(matmul.results[0], zero).result
+        outputs = [tensor.EmptyOp(sizes, element).result for _ in returned]
         merged = linalg.GenericOp(
             [v.type for v in outputs],
             inputs,
@@ -410,14 +453,14 @@ def tile_matmul_epilogue(module: ir.Module) -> None:
             raise ValueError("a GEMM region zero-fills one accumulator")
         matmul = fold_left_transpose(matmuls[0])
         merge_epilogue(module, matmul)
-        m, n = _static_shape(matmul.results[0])
-        k = _static_shape(matmul.operands[1])[0]
+        m, n = _shape(matmul.results[0], dynamic_rows=True)
+        k = _shape(matmul.operands[1])[0]
         transposes = _ops(module, "linalg.transpose")
         if len(transposes) > 1:
             raise ValueError("more than one transpose in a GEMM region")
         if transposes:
             _fresh_destination(transposes[0])
-        script = ir.Module.parse(gemm_script(m, n, k, bool(transposes)))
+        script = ir.Module.parse(gemm_script(DYNAMIC if m < 0 else m, n, k, bool(transposes)))
         interpreter.apply_named_sequence(module.operation, script.body.operations[0], script)
         contract = ir.Attribute.parse("#arith.fastmath<contract>")
         for name in ("arith.mulf", "arith.addf"):  # lets LLVM form FMAs (no reassociation)
