@@ -2,8 +2,11 @@
 against the static kernel of the same region at the same size, and against Inductor's kernel
 for the region compiled with symbolic rows (what a ``dynamic=True`` graph runs otherwise).
 
-Each region is traced twice: rows symbolic (hidden size static, as Dynamo's ``dynamic=True``
-leaves a model's hidden size once it is a parameter's size) and fully static. Each side is
+Row regions (norms) and GEMM regions (a linear with its epilogue: BERT-base's FFN up-projection
+768 -> 3072 with GELU and down-projection 3072 -> 768 with the residual add, M = rows symbolic,
+K and N static). Each region is traced twice: rows symbolic (hidden size and weights static, as
+Dynamo's ``dynamic=True`` leaves a model's hidden size once it is a parameter's size) and fully
+static. Each side is
 called the way the compiled graph calls it: the MLIR kernels through ``mfusion::mlir_region``
 (output allocation from the call's inputs included), Inductor's kernel as
 ``mfusion.mlir.choice.graph_kernel`` compiles it from the symbolic graph (the stand-in the
@@ -12,6 +15,8 @@ interleaved rounds with the order rotating; reported: median of the per-round ra
 p25-p75 (below 1: the first side is faster).
 
     python packages/mfusion/benchmarks/mlir_dynamic.py --rounds 11
+    python packages/mfusion/benchmarks/mlir_dynamic.py --regions linear_gelu_768x3072 \
+        linear_residual_3072x768 --rows 256 257 --rounds 7
 """
 
 from __future__ import annotations
@@ -47,12 +52,53 @@ def layernorm_gelu(x, w, b):
     return 0.5 * y * (1 + torch.erf(y * 0.7071067811865476))
 
 
-REGIONS = {"rmsnorm": (rmsnorm, 1), "layernorm_gelu": (layernorm_gelu, 2)}
-"""name -> (function, number of weight vectors after the rows input)."""
+def linear_gelu(x, w, b):
+    y = torch.addmm(b, x, w.permute(1, 0))
+    return 0.5 * y * (1 + torch.erf(y * 0.7071067811865476))
 
 
-def trace(fn, args: list[torch.Tensor], symbolic_rows: bool) -> fx.GraphModule:
-    """``fn``'s aten graph, dim 0 of the first argument symbolic (hint: its size) if asked."""
+def linear_residual(x, w, b, r):
+    return torch.addmm(b, x, w.permute(1, 0)) + r
+
+
+Inputs = tuple[list[torch.Tensor], set[int]]
+
+
+def _norm_inputs(weights: int) -> Callable[[int, int], Inputs]:
+    def make(rows: int, hidden: int) -> Inputs:
+        vectors = [1 + 0.1 * torch.randn(hidden) for _ in range(weights)]
+        return [torch.randn(rows, hidden), *vectors], {0}
+
+    return make
+
+
+def _linear_inputs(k: int, n: int, residual: bool) -> Callable[[int, int], Inputs]:
+    """x (rows x k), weight (n x k), bias, and a rows x n residual; ``hidden`` is not used."""
+
+    def make(rows: int, hidden: int) -> Inputs:
+        x, w, b = torch.randn(rows, k), torch.randn(n, k) / k**0.5, torch.randn(n)
+        if residual:
+            return [x, w, b, torch.randn(rows, n)], {0, 3}
+        return [x, w, b], {0}
+
+    return make
+
+
+REGIONS = {
+    "rmsnorm": (rmsnorm, _norm_inputs(1)),
+    "layernorm_gelu": (layernorm_gelu, _norm_inputs(2)),
+    "linear_gelu_768x3072": (linear_gelu, _linear_inputs(768, 3072, residual=False)),
+    "linear_residual_3072x768": (linear_residual, _linear_inputs(3072, 768, residual=True)),
+}
+"""name -> (function, inputs for (rows, hidden) with the indices of the inputs whose dim 0 is
+the symbolic row count)."""
+GEMMS = ("linear_gelu_768x3072", "linear_residual_3072x768")
+"""The GEMM regions: their K and N are fixed, ``--hidden`` applies to the row regions only."""
+
+
+def trace(fn, args: list[torch.Tensor], symbolic_rows: set[int]) -> fx.GraphModule:
+    """``fn``'s aten graph, dim 0 of the arguments in ``symbolic_rows`` symbolic (hint: its
+    size); static if the set is empty."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,
@@ -66,7 +112,7 @@ def trace(fn, args: list[torch.Tensor], symbolic_rows: bool) -> fx.GraphModule:
     fakes = []
     for index, arg in enumerate(args):
         sizes = [
-            DimDynamic.DYNAMIC if index == 0 and d == 0 else DimDynamic.STATIC
+            DimDynamic.DYNAMIC if index in symbolic_rows and d == 0 else DimDynamic.STATIC
             for d in range(arg.dim())
         ]
         fakes.append(mode.from_tensor(arg, symbolic_context=StatelessSymbolicContext(sizes)))
@@ -103,11 +149,11 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def bench(name: str, rows: int, hidden: int, rounds: int, sample_s: float) -> dict[str, object]:
-    fn, weights = REGIONS[name]
+    fn, make_inputs = REGIONS[name]
     torch.manual_seed(0)
-    inputs = [torch.randn(rows, hidden)] + [1 + 0.1 * torch.randn(hidden) for _ in range(weights)]
-    dynamic_gm = trace(fn, inputs, symbolic_rows=True)
-    static_gm = trace(fn, inputs, symbolic_rows=False)
+    inputs, row_inputs = make_inputs(rows, hidden)
+    dynamic_gm = trace(fn, inputs, symbolic_rows=row_inputs)
+    static_gm = trace(fn, inputs, symbolic_rows=set())
     dynamic_mlir, is_dynamic = mlir_call(dynamic_gm, inputs)
     static_mlir, _ = mlir_call(static_gm, inputs)
     assert is_dynamic, "the symbolic trace must give a kernel with dynamic dims"
@@ -123,7 +169,11 @@ def bench(name: str, rows: int, hidden: int, rounds: int, sample_s: float) -> di
     for r in range(rounds):
         for k in order[r % len(order) :] + order[: r % len(order)]:
             times[k].append(per_call(calls[k], sample_s))
-    row: dict[str, object] = {"region": name, "rows": rows, "hidden": hidden}
+    row: dict[str, object] = {
+        "region": name,
+        "rows": rows,
+        "hidden": "-" if name in GEMMS else hidden,
+    }
     for k in calls:
         row[f"{k}_us"] = statistics.median(times[k]) * 1e6
     for first, second in (("mlir_dynamic", "mlir_static"), ("mlir_dynamic", "inductor_dynamic")):
@@ -143,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     results = []
     for name in args.regions:
-        for hidden in args.hidden:
+        for hidden in args.hidden[:1] if name in GEMMS else args.hidden:
             for rows in args.rows:
                 results.append(bench(name, rows, hidden, args.rounds, args.sample_ms / 1e3))
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
