@@ -25,7 +25,10 @@ with several gradient pieces, a bare ``mm``), and a transposed left operand (a w
 Rows come in :data:`BLOCK_M`-row blocks whatever M is: the loop over them is peeled, so the
 last ``M % BLOCK_M`` rows run in a loop of their own with static sizes (no masks). Taking the
 largest divisor of M instead gave 1-row blocks for a prime M (197 tokens, 13), at 2-2.3x the
-time of peeled blocks on the AVX2 CPU. Panels and transpose steps are still divisors of N and
+time of peeled blocks on the AVX2 CPU. A symbolic M (tokens under ``dynamic=True``; K and N are
+the weight's, static) is peeled the same way: the full blocks run to the dynamic bound
+``M - M mod 4`` and the rest, 0-3 rows known per call, is tiled again into 1-row blocks, so
+one kernel serves every M with static tiles. Panels and transpose steps are still divisors of N and
 K: an N without a good divisor gets narrower panels, and is slower; the measured choice
 (:mod:`mfusion.mlir.choice`) keeps such regions with Inductor. No K blocking for L2, no
 threads: MKL/oneDNN's GEMM is usually faster, which is what the choice measures.
