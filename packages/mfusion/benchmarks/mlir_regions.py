@@ -20,7 +20,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from mfusion.machine import MachineProfile
 from mfusion.mlir.choice import example_inputs, inductor_kernel
 from mfusion.mlir.importer import import_region
 from mfusion.mlir.runtime import compiled_region
+from npu_core.bench import Timing, calls_per_sample, measure
 
 TOKENS, HIDDEN, MLP, HEADS, SEQ = 256, 768, 3072, 12, 128
 
@@ -110,19 +110,15 @@ REGIONS: dict[str, tuple[str, Callable[..., object], Callable[[], tuple[torch.Te
 
 
 def per_call(fn: Callable[[], object], budget_s: float) -> float:
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(budget_s / once))
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
+    """Seconds per call of ``fn`` over one sample of about ``budget_s`` (one warm-up call)."""
+    calls = calls_per_sample(fn, budget_s * 1e3, warmup=1, repeats=1)
+    return measure(fn, calls=calls, warmup=0, repeats=1).median
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[1], q[0], q[2]
+    """Median, p25 and p75 of the per-round ratios."""
+    timing = Timing(tuple(values))
+    return timing.median, timing.p25, timing.p75
 
 
 def mlir_call(gm, inputs, pipeline: str, threads: int) -> Callable[[], object]:
