@@ -126,6 +126,24 @@ class PassHarness:
         return record
 
     @staticmethod
+    def step_equals_eager(
+        model: nn.Module, reference: nn.Module, *inputs: torch.Tensor, **options: Any
+    ) -> None:
+        """One training step (scalar output, ``backward()``) of ``model`` compiled with mfusion's
+        ``compile_options(**options)`` against ``reference``, an eager copy with the same
+        weights: the loss and every parameter's gradient equal."""
+        import mfusion
+
+        compiled = torch.compile(model, options=mfusion.compile_options(**options))
+        loss = compiled(*inputs)
+        loss.backward()
+        expected = reference(*inputs)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+
+    @staticmethod
     def count(gm: torch.fx.GraphModule, op: object) -> int:
         """How many call_function nodes of ``gm`` target ``op`` (counted independently of
         mfusion's own op counter)."""

@@ -225,7 +225,7 @@ class _Mlp(nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tokens", [16, 13])
-def test_training_step_with_forced_regions_equals_eager(monkeypatch, tmp_path, tokens):
+def test_training_step_with_forced_regions_equals_eager(harness, monkeypatch, tmp_path, tokens):
     monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path / "mfusion"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("MFUSION_MLIR_CHOICE", "always")
@@ -236,14 +236,7 @@ def test_training_step_with_forced_regions_equals_eager(monkeypatch, tmp_path, t
     reference.load_state_dict(model.state_dict())
     torch._dynamo.reset()
     mfusion.clear_report()
-    compiled = torch.compile(model, options=mfusion.compile_options(backend="mlir-cpu"))
-    loss = compiled(x)
-    loss.backward()
-    expected = reference(x)
-    expected.backward()
-    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+    harness.step_equals_eager(model, reference, x, backend="mlir-cpu")
     outlined = [r for g in mfusion.report().graphs for r in g.regions if r.outlined]
     assert any(r.kind == "matmul" for r in outlined)
     torch._dynamo.reset()
