@@ -59,7 +59,19 @@ class _RowsInterpreter(fx.Interpreter):
             raise _NotFlat(f"{target} is not element-wise")
         if target is aten.permute.default and args[0].dim() != 2:
             raise _NotFlat("a permute of more than two dims")
+        if target in ELEMENTWISE_OPS:
+            self._check_broadcast(target, [*args, *kwargs.values()])
         return super().call_function(target, args, kwargs)
+
+    @staticmethod
+    def _check_broadcast(target: Any, operands: list[Any]) -> None:
+        shapes = [a.shape for a in operands if isinstance(a, torch.Tensor)]
+        try:
+            # checked on the sizes alone: a fake-tensor op that fails to broadcast logs its
+            # whole traceback as an error, for a region that is only refused
+            torch.broadcast_shapes(*shapes)
+        except RuntimeError as error:
+            raise _NotFlat(f"{target}: operands no longer broadcast in the 2-D form") from error
 
 
 def flatten_gemm_region(gm: fx.GraphModule) -> fx.GraphModule | None:
