@@ -69,7 +69,7 @@ class _RowsInterpreter(fx.Interpreter):
         try:
             # checked on the sizes alone: a fake-tensor op that fails to broadcast logs its
             # whole traceback as an error, for a region that is only refused
-            torch.broadcast_shapes(*shapes)
+            torch.broadcast_shapes(*shapes)  # type: ignore[no-untyped-call]
         except RuntimeError as error:
             raise _NotFlat(f"{target}: operands no longer broadcast in the 2-D form") from error
 
