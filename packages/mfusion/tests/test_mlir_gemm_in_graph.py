@@ -116,6 +116,19 @@ def test_views_that_move_the_last_dim_are_left_alone(harness):
     assert flatten_gemm_region(harness.trace(heads, torch.randn(4, 8), torch.randn(8, 16))) is None
 
 
+def test_permute_of_the_3d_view_is_left_alone_quietly(harness, caplog):
+    """A permute of the linear's 3-D view (Whisper's heads) has no 2-D form: kept as it was,
+    without a fake-tensor op failing on a 2-D input (which logs its traceback as an error)."""
+
+    def transposed(x, w):
+        return torch.relu((x @ w).reshape(2, 4, 16).permute(0, 2, 1))
+
+    with caplog.at_level(logging.ERROR):
+        gm = harness.trace(transposed, torch.randn(8, 8), torch.randn(8, 16))
+        assert flatten_gemm_region(gm) is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 @pytest.mark.parametrize("bias_shape", [(2, 1, 16), (1, 4, 16)], ids=["per-batch", "per-token"])
 def test_broadcast_over_a_leading_dim_is_left_alone_quietly(harness, caplog, bias_shape):
     """A bias that broadcasts over a leading dim (per batch ``[2, 1, N]``; per token

@@ -57,7 +57,8 @@ class _RowsInterpreter(fx.Interpreter):
             raise _NotFlat(f"{target} to {list(shape)} changes the last dim")
         if target not in _ALLOWED:
             raise _NotFlat(f"{target} is not element-wise")
-        if target is aten.permute.default and args[0].dim() != 2:
+        if target is aten.permute.default and (args[0].dim() != 2 or len(args[1]) != 2):
+            # the second: a permute of the 3-D view, whose input is 2-D in this form
             raise _NotFlat("a permute of more than two dims")
         if target in ELEMENTWISE_OPS:
             self._check_broadcast(target, [*args, *kwargs.values()])
