@@ -48,18 +48,40 @@ def memref_of(tensor: torch.Tensor) -> ctypes.Structure:
     return desc
 
 
+def _engine(module: Any, opt_level: int) -> Any:
+    """The module's ExecutionEngine. A translation failure is raised with MLIR's own messages
+    instead of the engine's generic "Failure while creating the ExecutionEngine", and those
+    messages are kept off stderr, where MLIR's default handler prints them: the caller tries
+    another pipeline or leaves the region with Inductor, and reports why."""
+    from torch_mlir.execution_engine import ExecutionEngine
+
+    messages: list[str] = []
+
+    def collect(diagnostic: Any) -> bool:
+        messages.append(str(diagnostic.message))
+        return True  # handled: not printed
+
+    handler = module.context.attach_diagnostic_handler(collect)
+    try:
+        return ExecutionEngine(module, opt_level=opt_level)
+    except RuntimeError as error:
+        if not messages:
+            raise
+        raise RuntimeError("; ".join(messages)) from error
+    finally:
+        handler.detach()
+
+
 class CompiledRegion:
     """One region JIT-compiled for the CPU; call it with inputs and preallocated outputs."""
 
     def __init__(
         self, torch_backend_asm: str, pipeline: Pipeline = "vector", opt_level: int = 3
     ) -> None:
-        from torch_mlir.execution_engine import ExecutionEngine
-
         self.pipeline = pipeline
         self.ir = torch_backend_asm
         module = lower_to_llvm(torch_backend_asm, pipeline)
-        self.engine = ExecutionEngine(module, opt_level=opt_level)
+        self.engine = _engine(module, opt_level)
         self._entry = self.engine.lookup(REGION_FUNC)
         self._local = threading.local()
         self.shapes = signature_shapes(torch_backend_asm)
