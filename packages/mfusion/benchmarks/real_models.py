@@ -24,7 +24,10 @@ compiled copy can run a few percent faster or slower than another copy of the *s
 long as the process lives (with freezing each copy owns its constants, and where they land in
 memory matters): two copies of ResNet-18's graph read from 0.93x to 1.13x of each other across
 processes. With one copy per variant that draw is read as the variant's speed; with several it
-is averaged (copies after the first are mostly served from Inductor's caches, so cheap to build).
+is averaged. Each copy compiles a deep copy of the module: Dynamo would hand a second
+``torch.compile`` of the same module with equal options the graph it already holds, so before
+mfusion 0.4.1 the "copies" of a variant were one compiled graph and averaged nothing. A row now
+costs ``3 x --copies`` compiles.
 
 ``--device cuda`` runs the same table on a GPU under Inductor/Triton: models and inputs on the
 device, every clock read after a device synchronisation, torch's CPU thread count left alone
@@ -58,6 +61,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfusio
 
 import torch._dynamo
 import torch._inductor.config as inductor_config
+from torch._dynamo.eval_frame import OptimizedModule
 from zoo.library import MODELS, TrainStep
 
 import mfusion
@@ -121,8 +125,12 @@ class Runner:
         self.freezing = not self.train and args.freezing
 
     def run(self, fn: Callable[..., torch.Tensor], module: torch.nn.Module | None = None):
-        """One call; for a training step the loss and every gradient, else the output."""
-        module = module or self.module
+        """One call; for a training step the loss and every gradient, else the output.
+
+        ``module`` owns the parameters whose gradients are cleared and returned: by default
+        ``fn`` itself (an eager module), the module a compiled copy was built from, or, for a
+        :class:`CopyRotation`, that of the copy the call goes to."""
+        module = module or _parameter_owner(fn)
         inputs = self.reference_inputs if module is self.reference_module else self.inputs
         if not self.train:
             # Dynamo reads the *global* freezing flag while tracing (parameters become graph
@@ -137,7 +145,20 @@ class Runner:
         return [loss, *(p.grad for p in module.parameters() if p.grad is not None)]
 
     def compiled(self, options: dict[str, object]) -> Callable[..., torch.Tensor]:
-        return torch.compile(self.module, options=dict(options))
+        """A compiled copy of its own: Dynamo hands a second ``torch.compile`` of the *same*
+        module with equal options the graph it already compiled (its backend compares equal),
+        so every copy compiles a copy of the module (with freezing, its own constants too)."""
+        return torch.compile(copy.deepcopy(self.module), options=dict(options))
+
+
+def _parameter_owner(fn: Callable[..., torch.Tensor]) -> torch.nn.Module:
+    if isinstance(fn, CopyRotation):
+        fn = fn.next_copy()
+    if isinstance(fn, OptimizedModule):
+        return fn._orig_mod
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    raise TypeError(f"no module owns the parameters of {fn!r}")
 
 
 class CopyRotation:
@@ -153,10 +174,14 @@ class CopyRotation:
         self.calls = 1
         self._count = 0
 
+    def next_copy(self) -> Callable[..., torch.Tensor]:
+        """The copy the next call goes to."""
+        return self.copies[(self._count // self.calls) % len(self.copies)]
+
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        copy_index = (self._count // self.calls) % len(self.copies)
+        target = self.next_copy()
         self._count += 1
-        return self.copies[copy_index](*inputs)
+        return target(*inputs)
 
     def per_sample(self, calls: int) -> None:
         self.calls, self._count = calls, 0
