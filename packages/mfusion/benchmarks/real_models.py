@@ -48,16 +48,18 @@ import copy
 import json
 import math
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-bench-"))
 
 import torch._dynamo
 import torch._inductor.config as inductor_config
@@ -70,6 +72,15 @@ from npu_core.bench import BenchTable, Timing, calls_per_sample, compare, measur
 
 MODES = ("infer-fp32", "infer-bf16", "train-fp32", "train-bf16")
 OWN_LOSS = {"llama", "qwen3", "mistral", "llama_eager"}
+TIME_COLUMNS = (
+    "eager ms",
+    "inductor ms",
+    "mfusion ms",
+    "inductor speedup",
+    "compile s (inductor)",
+    "compile s (mfusion)",
+)
+ROW_PREFIX = "ROW "
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -256,6 +267,8 @@ def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, objec
         "mfusion / inductor": comparison.ratio_median,
         "ratio p25-p75": f"{ratios.p25:.3f}-{ratios.p75:.3f}",
         "A/A control": a_a.ratio_median,
+        "ratios": list(comparison.ratios),
+        "A/A ratios": list(a_a.ratios),
         "compile s (inductor)": compile_s["plain"],
         "compile s (mfusion)": compile_s["fused"],
         "rewrites": _rewrites(report),
@@ -263,11 +276,101 @@ def run_model(name: str, mode: str, args: argparse.Namespace) -> dict[str, objec
         "regions outlined": _regions(report),
         "whole graph": [g.whole_graph for g in report.graphs if g.whole_graph],
         "refusal reasons": _refusal_reasons(report),
-        "max err (inductor, mfusion) / bound": (
-            f"{errors['plain'] / bound:.2g}, {errors['fused'] / bound:.2g}"
-        ),
+        "error / bound (inductor, mfusion)": [errors["plain"] / bound, errors["fused"] / bound],
         "accuracy": "pass" if max(errors.values()) <= bound else "FAIL",
     }
+
+
+def run_row_in_processes(name: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Measure one (model, mode) in ``--processes`` fresh processes, one after the other, and
+    pool their rounds.
+
+    A compiled graph's speed carries a draw that lasts as long as its process (where its code
+    and constants land in memory, what ran before it): ResNet-18's A/A ratio changed sign from
+    one process to the next although both variants compiled identical graphs. Rounds repeated
+    inside one process share that draw, so only repeating the row in new processes averages it.
+    Every row runs in a process of its own, with a fresh Inductor cache (each process compiles,
+    rather than loading what an earlier one wrote), so no row inherits another's state.
+    """
+    rows = []
+    for index in range(args.processes):
+        if args.processes > 1:
+            print(f"    process {index + 1}/{args.processes}", flush=True)
+        rows.append(_run_row_in_child(name, mode))
+    return combine_process_rows(rows)
+
+
+class RowFailed(RuntimeError):
+    """A row's process exited without reporting its row."""
+
+
+def _run_row_in_child(name: str, mode: str) -> dict[str, Any]:
+    """This script again with the same arguments, restricted to one row; its output is shown as
+    it comes and its ``ROW`` line is the result."""
+    command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+    command += ["--models", name, "--modes", mode, "--row-only"]  # the last occurrence wins
+    row = None
+    with tempfile.TemporaryDirectory(prefix="mfusion-bench-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        with subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as child:
+            assert child.stdout is not None
+            for line in child.stdout:
+                if line.startswith(ROW_PREFIX):
+                    row = json.loads(line[len(ROW_PREFIX) :])
+                else:
+                    print(f"    | {line}", end="", flush=True)
+    if child.returncode != 0 or row is None:
+        raise RowFailed(f"{name} {mode}: its process exited with status {child.returncode}")
+    return row
+
+
+def combine_process_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the same (model, mode) measured in several processes.
+
+    The ratio columns are the median and quartiles of every process's per-round ratios pooled
+    (each process contributes the same number of rounds); times are medians over the processes;
+    the error is the largest; pass names, regions and notes that differ between processes are
+    all listed. ``per process`` keeps each process's own median, the spread the pooling hides.
+    """
+    ratios = Timing([r for row in rows for r in row["ratios"]])
+    a_a = Timing([r for row in rows for r in row["A/A ratios"]])
+    errors = [max(row["error / bound (inductor, mfusion)"][i] for row in rows) for i in (0, 1)]
+
+    def median_of(key: str) -> float:
+        return statistics.median(float(row[key]) for row in rows)
+
+    def distinct(key: str) -> str:
+        return " | ".join(dict.fromkeys(str(row[key]) for row in rows))
+
+    reasons: dict[str, list[str]] = {}
+    for row in rows:
+        for pass_name, texts in row["refusal reasons"].items():
+            known = reasons.setdefault(pass_name, [])
+            known.extend(t for t in texts if t not in known)
+    combined = dict(rows[0])
+    combined.update(
+        {
+            **{key: median_of(key) for key in TIME_COLUMNS},
+            "mfusion / inductor": ratios.median,
+            "ratio p25-p75": f"{ratios.p25:.3f}-{ratios.p75:.3f}",
+            "A/A control": a_a.median,
+            "per process": ", ".join(f"{row['mfusion / inductor']:.3f}" for row in rows),
+            "A/A per process": ", ".join(f"{row['A/A control']:.3f}" for row in rows),
+            "ratios": list(ratios.samples),
+            "A/A ratios": list(a_a.samples),
+            "rewrites": distinct("rewrites"),
+            "refused": distinct("refused"),
+            "regions outlined": distinct("regions outlined"),
+            "whole graph": list(dict.fromkeys(n for row in rows for n in row["whole graph"])),
+            "refusal reasons": reasons,
+            "error / bound (inductor, mfusion)": errors,
+            "max err (inductor, mfusion) / bound": f"{errors[0]:.2g}, {errors[1]:.2g}",
+            "accuracy": "pass" if all(row["accuracy"] == "pass" for row in rows) else "FAIL",
+        }
+    )
+    return combined
 
 
 def _rewrites(report: mfusion.Report) -> str:
@@ -340,6 +443,14 @@ def main() -> None:
         default=4,
         help="compiled copies per variant, taking turns sample by sample (default 4)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="fresh processes per row, one after the other, their rounds pooled (default 1); "
+        "the only repetition that averages a compiled graph's per-process speed draw",
+    )
+    parser.add_argument("--row-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--eager-repeats", type=int, default=5, help="eager samples per row")
     parser.add_argument("--sample-ms", type=float, default=25.0, help="duration of one sample")
     parser.add_argument("--tol", type=float, default=1e-3, help="fp32 accuracy gate (x scale)")
@@ -374,6 +485,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.copies < 1:
         parser.error(f"--copies must be >= 1, got {args.copies}")
+    if args.processes < 1:
+        parser.error(f"--processes must be >= 1, got {args.processes}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.max_wall_s is not None and not args.max_wall_s > 0:
@@ -396,6 +509,10 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64
+    if args.row_only:  # a child of run_row_in_processes: measure one row, report it, stop
+        row = run_model(args.models[0], args.modes[0], args)
+        print(ROW_PREFIX + json.dumps(row, default=str), flush=True)
+        return
 
     columns = [
         "model",
@@ -407,6 +524,7 @@ def main() -> None:
         "mfusion / inductor",
         "ratio p25-p75",
         "A/A control",
+        *(["per process", "A/A per process"] if args.processes > 1 else []),
         "compile s (inductor)",
         "compile s (mfusion)",
         "rewrites",
@@ -417,6 +535,7 @@ def main() -> None:
     ]
     rows = []
     skipped: list[str] = []
+    failed: list[str] = []
     reasons: dict[str, list[str]] = {}
     start = time.perf_counter()
     slowest = 0.0
@@ -429,7 +548,12 @@ def main() -> None:
             continue
         print(f"[{index}/{len(jobs)}] {name} {mode} ...", flush=True)
         row_start = time.perf_counter()
-        row = run_model(name, mode, args)
+        try:
+            row = run_row_in_processes(name, mode, args)
+        except RowFailed as error:
+            failed.append(str(error))
+            print(f"    FAILED: {error}", flush=True)
+            continue
         slowest = max(slowest, time.perf_counter() - row_start)
         for note in row["whole graph"]:  # type: ignore[union-attr]
             print(f"    whole graph: {note}", flush=True)
@@ -437,15 +561,16 @@ def main() -> None:
             known = reasons.setdefault(pass_name, [])
             known.extend(t for t in texts if t not in known)
         rows.append(row)
+        per_process = f", per process {row['per process']}" if args.processes > 1 else ""
         print(
-            f"    mfusion/inductor {row['mfusion / inductor']:.3f}x "
+            f"    mfusion/inductor {row['mfusion / inductor']:.3f}x{per_process} "
             f"(A/A {row['A/A control']:.3f}x, p25-p75 {row['ratio p25-p75']}), "
             f"rewrites {row['rewrites']}, refused {row['refused']}, "
             f"regions outlined {row['regions outlined']}, accuracy {row['accuracy']}",
             flush=True,
         )
         # One JSON line per row as it finishes, so a run stopped early keeps its rows.
-        print("ROW " + json.dumps(row, default=str), flush=True)
+        print(ROW_PREFIX + json.dumps(row, default=str), flush=True)
     summary = {}
     for label, keep in {
         "inference": lambda r: r["mode"].startswith("infer"),
@@ -456,7 +581,7 @@ def main() -> None:
             summary[f"geomean mfusion/inductor ({label})"] = _geomean(chosen)
             summary[f"min mfusion/inductor ({label})"] = min(chosen)
     if not rows:
-        raise SystemExit("no row ran (--max-wall-s too small?)")
+        raise SystemExit(f"no row ran: {'; '.join(failed) or '--max-wall-s too small?'}")
     profile = MachineProfile.detect()
     metadata = {
         "device": _describe_device(args.device),
@@ -469,6 +594,7 @@ def main() -> None:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "compiled copies per variant": args.copies,
+        "processes per row": args.processes,
         "threads": torch.get_num_threads(),
         "sample ms": args.sample_ms,
         "A/A control range": [
@@ -479,6 +605,7 @@ def main() -> None:
         "all accurate": all(r["accuracy"] == "pass" for r in rows),
         "refusal reasons (per pass)": reasons,
         "skipped (--max-wall-s)": skipped,
+        "failed": failed,
         "wall s": time.perf_counter() - start,
     }
     kernels = "Triton" if args.device.type == "cuda" else "C++"
@@ -498,6 +625,8 @@ def main() -> None:
     if skipped:
         print(f"skipped (--max-wall-s): {', '.join(skipped)}")
     print(f"wall time: {metadata['wall s']:.0f} s")
+    if failed:
+        raise SystemExit(f"rows that failed: {'; '.join(failed)}")
 
 
 if __name__ == "__main__":
