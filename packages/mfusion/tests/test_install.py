@@ -82,6 +82,7 @@ SETTING_CHANGES = [
     {"max_region_ops": 8},
     {"patch_conv": "off"},
     {"linear_kernel": "inductor"},
+    {"conv_layout": "nchw"},
     {"chunked_cross_entropy": True},
     {"chunked_cross_entropy_bytes": 1 << 20},
     {"machine": TEST_MACHINE},

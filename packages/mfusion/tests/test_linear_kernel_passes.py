@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mfusion
-from mfusion.passes import linear_kernel
+from mfusion.passes import _measured, linear_kernel
 
 pytestmark = pytest.mark.skipif(
     not (torch._C.has_mkl and torch.backends.mkldnn.is_available()),
@@ -33,30 +33,30 @@ def cache(tmp_path, monkeypatch):
 
 def test_measured_choice_takes_onednn_only_when_clearly_faster_and_caches_it(harness, cache):
     machine = harness.machine("AVX2")
-    with linear_kernel.use_timer(harness.fixed_timer(0.90e-3, 1.00e-3, agree=True)):
+    with _measured.use_timer(harness.fixed_timer(0.90e-3, 1.00e-3, agree=True)):
         faster = linear_kernel.choose(32, 48, 64, True, "measure", machine)
     assert faster.chosen and faster.source == "measured"
     tie_timer = harness.fixed_timer(0.99e-3, 1.00e-3, agree=True)  # within MIN_GAIN: a tie
-    with linear_kernel.use_timer(tie_timer):
+    with _measured.use_timer(tie_timer):
         tie = linear_kernel.choose(32, 48, 64, False, "measure", machine)
     assert not tie.chosen and "ratio 0.99" in tie.describe()
     files = sorted(cache.glob("*.json"))
     assert len(files) == 2
     assert {tuple(json.loads(f.read_text())["mkn"]) for f in files} == {(32, 48, 64)}
 
-    with linear_kernel.use_timer(harness.failing_timer):
+    with _measured.use_timer(harness.failing_timer):
         again = linear_kernel.choose(32, 48, 64, True, "measure", machine)
     assert again.chosen and again.source == "cache"
     other_machine = harness.machine("AVX2", {"threads": 2})  # another profile measures again
     timer = harness.fixed_timer(1.2e-3, 1.0e-3, agree=True)
-    with linear_kernel.use_timer(timer):
+    with _measured.use_timer(timer):
         assert not linear_kernel.choose(32, 48, 64, True, "measure", other_machine).chosen
     assert timer.calls == 1
 
 
 def test_policies_other_than_measure_do_not_time(harness, cache):
     machine = harness.machine("AVX2")
-    with linear_kernel.use_timer(harness.failing_timer):
+    with _measured.use_timer(harness.failing_timer):
         assert linear_kernel.choose(8, 8, 8, True, "onednn", machine).chosen
         assert not linear_kernel.choose(8, 8, 8, True, "inductor", machine).chosen
     assert not cache.exists()
@@ -114,7 +114,7 @@ def test_frozen_linears_move_to_onednn_where_chosen_and_equal_eager(
     if times is None:
         out, report = _compile_frozen(MLP, X, passes=("linear_kernel",), linear_kernel=policy)
     else:
-        with linear_kernel.use_timer(harness.fixed_timer(*times, agree=True)):
+        with _measured.use_timer(harness.fixed_timer(*times, agree=True)):
             out, report = _compile_frozen(MLP, X, passes=("linear_kernel",), linear_kernel=policy)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     moved, kept = _decisions(report, True), _decisions(report, False)
@@ -237,7 +237,7 @@ def test_fused_epilogue_must_beat_the_chosen_unfused_gemm_plus_the_activation(ca
     GEMM followed by the activation, and a fused form that is not faster leaves the plain
     choice in place."""
     gelu = ACTIVATION_FORMS["nn.GELU"][1]
-    with linear_kernel.use_timer(SequenceTimer((1.2e-3, 1.0e-3), (0.8e-3, 1.0e-3))):
+    with _measured.use_timer(SequenceTimer((1.2e-3, 1.0e-3), (0.8e-3, 1.0e-3))):
         out, expected, moved = _compile_head(gelu)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert len(moved) == 1
@@ -247,7 +247,7 @@ def test_fused_epilogue_must_beat_the_chosen_unfused_gemm_plus_the_activation(ca
     shutil.rmtree(cache)  # the same shape: measure its plain GEMM again
     relu = ACTIVATION_FORMS["relu"][1]
     timer = SequenceTimer((0.9e-3, 1.0e-3), (1.0e-3, 1.0e-3))
-    with linear_kernel.use_timer(timer):
+    with _measured.use_timer(timer):
         out, expected, moved = _compile_head(relu)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert not timer.times

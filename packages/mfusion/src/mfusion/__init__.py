@@ -8,9 +8,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from mfusion.backends import mlir_cpu as _mlir_cpu  # noqa: F401  (registers mfusion::mlir_region)
 from mfusion.backends.registry import BackendName
-from mfusion.config import LinearKernelPolicy, MFusionConfig, PatchConvPolicy
+from mfusion.config import ConvLayoutPolicy, LinearKernelPolicy, MFusionConfig, PatchConvPolicy
 from mfusion.install import compile_options, enabled, install, is_installed, uninstall
 from mfusion.machine import MachineProfile
+from mfusion.passes import conv_layout as _conv_layout  # noqa: F401  (registers mfusion::convolution)
 from mfusion.passes.manager import MFusionPassManager
 from mfusion.passes.registry import PASS_REGISTRY
 from mfusion.report import GraphReport, Report, clear_report, report
@@ -23,6 +24,7 @@ except PackageNotFoundError:  # running from a source tree without metadata
 __all__ = [
     "PASS_REGISTRY",
     "BackendName",
+    "ConvLayoutPolicy",
     "GraphReport",
     "LinearKernelPolicy",
     "MFusionConfig",

@@ -51,6 +51,19 @@ class LinearKernelPolicy(enum.StrEnum):
     """Keep Inductor's choice (MKL for static-shape fp32 on x86)."""
 
 
+class ConvLayoutPolicy(enum.StrEnum):
+    """The memory layout of convolutions whose weights are graph inputs (the ``conv_layout``
+    pass)."""
+
+    MEASURE = "measure"
+    """Time both layouts for the graph's convolutions on this machine (cached) and keep NCHW
+    only where Inductor's channels-last layout is clearly slower."""
+    NCHW = "nchw"
+    """Keep NCHW wherever Inductor would switch to channels-last (you measured it pays here)."""
+    INDUCTOR = "inductor"
+    """Keep Inductor's choice (channels-last on CPUs with oneDNN)."""
+
+
 class MFusionConfig(StrictConfig):
     """Everything that changes what mfusion does to a graph.
 
@@ -100,6 +113,13 @@ class MFusionConfig(StrictConfig):
         description="GEMM library of frozen fp32 linears: 'measure' (time MKL and oneDNN per "
         "shape on this machine, cached), 'onednn' or 'inductor' (keep MKL).",
     )
+    conv_layout: ConvLayoutPolicy = Field(
+        ConvLayoutPolicy.MEASURE,
+        description="Layout of convolutions whose weights are graph inputs (training, inference "
+        "without freezing) on CPU: 'measure' (time channels-last, with its per-call weight "
+        "conversions, against NCHW on this machine, cached), 'nchw' or 'inductor' "
+        "(channels-last).",
+    )
     chunked_cross_entropy: bool = Field(
         False,
         description="Training: rewrite linear + cross-entropy (mean, ignore_index) in the joint "
@@ -136,7 +156,7 @@ class MFusionConfig(StrictConfig):
         except ValidationError as exc:
             raise ConfigError(f"invalid mfusion option: {describe_errors(exc)}") from None
 
-    @field_validator("backend", "patch_conv", "linear_kernel", mode="before")
+    @field_validator("backend", "patch_conv", "linear_kernel", "conv_layout", mode="before")
     @classmethod
     def _known_choice(cls, value: Any, info: ValidationInfo) -> Any:
         """An enum field's value, or one line naming the field, the value and what is allowed."""

@@ -22,6 +22,8 @@ class PassContext:
 
     config: MFusionConfig
     record: GraphReport
+    is_inference: bool | None = None
+    """Whether no backward follows this graph; None when the caller did not say."""
 
     def rewrote(self, pass_name: str, node: fx.Node, detail: str) -> None:
         self.record.decisions.append(Decision(pass_name, node.name, True, detail))

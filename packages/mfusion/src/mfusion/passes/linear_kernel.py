@@ -12,18 +12,18 @@ Elsewhere MKL may win.
 So the pass does not carry a rule: per linear shape it times both packed GEMMs on random inputs
 of that shape on the machine it runs on (interleaved rounds, medians, the same timer as the
 ``mlir-cpu`` choice) and moves the linear to oneDNN only when oneDNN is at least
-:data:`MIN_GAIN` faster. Decisions are cached on disk per (shape, machine profile), so a second
-compile on the same machine measures nothing. The weight is packed for oneDNN once, at compile
-time, from the frozen constant, and shared by every linear that reads it.
+``_measured.MIN_GAIN`` faster. Decisions are cached on disk per (shape, machine profile), so
+a second compile on the same machine measures nothing. The weight is packed for oneDNN once, at
+compile time, from the frozen constant, and shared by every linear that reads it.
 
 Where the linear's output goes only through an activation oneDNN can apply to its output tile
 (ReLU, erf- or tanh-GELU, SiLU; recognised by what the subgraph computes, see
 :mod:`mfusion.passes._activation`) and that activation is a loop of its own in Inductor's code
 (its result feeds the next GEMM, as in a transformer MLP, not another element-wise op), a second
 measurement times oneDNN's GEMM with the activation fused against the unfused GEMM the first
-one picked followed by the activation; a fused form at least :data:`MIN_GAIN` faster replaces
-both, applying the activation while the tile is in registers instead of in a second pass over
-the result.
+one picked followed by the activation; a fused form at least ``_measured.MIN_GAIN`` faster
+replaces both, applying the activation while the tile is in registers instead of in a second
+pass over the result.
 
 ``MFusionConfig.linear_kernel``: ``measure`` (default), ``onednn`` (always, where the form
 allows), ``inductor`` (keep MKL). Inference only: the MKL form exists only for frozen weights.
@@ -31,14 +31,9 @@ allows), ``inductor`` (keep MKL). Inference only: the MKL form exists only for f
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
-import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,10 +41,9 @@ from torch import fx
 
 from mfusion.config import LinearKernelPolicy, MFusionConfig
 from mfusion.machine import MachineProfile
-from mfusion.mlir.choice import Timer, interleaved_timer
-from mfusion.mlir.choice import cache_dir as mlir_cache_dir
 from mfusion.passes._activation import Activation, activation_after
 from mfusion.passes._graph import fake_mode_of, is_op, replace, tensor_val
+from mfusion.passes._measured import Choice, decide, decisions_dir, timer
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 log = logging.getLogger("mfusion.linear_kernel")
@@ -58,91 +52,14 @@ MKL_LINEAR = (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default)
 ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
 ONEDNN_PACK = torch.ops.mkldnn._reorder_linear_weight.default
 
-MIN_GAIN = 0.03
-"""The candidate (oneDNN, or oneDNN with the activation fused) must take at most ``1 - MIN_GAIN``
-of the baseline's time: a tie stays with Inductor's form."""
-
-ROUNDS = 9
-"""Interleaved rounds per shape (odd, so the median is one measured round)."""
-
-SAMPLE_S = 0.005
-"""Target length of one sample; a GEMM of the real models takes 0.5-60 ms."""
-
-LARGE_CALL_S = 0.05
-"""A GEMM slower than this gets :data:`LARGE_ROUNDS` rounds: its timings are long enough to be
-steady, and nine rounds of a one-second GEMM would add half a minute to the compile."""
-
-LARGE_ROUNDS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelChoice:
-    """Whether the candidate form runs one linear shape here, and the measurement behind it."""
-
-    chosen: bool
-    candidate_s: float | None
-    baseline_s: float | None
-    source: str
-    """``measured``, ``cache`` or ``linear_kernel=<policy>``."""
-    candidate: str = "oneDNN"
-    baseline: str = "MKL"
-
-    def describe(self) -> str:
-        if self.candidate_s is None or self.baseline_s is None:
-            return f"{self.candidate if self.chosen else self.baseline} ({self.source})"
-        return (
-            f"{self.candidate} {self.candidate_s * 1e6:.0f} us vs "
-            f"{self.baseline} {self.baseline_s * 1e6:.0f} us "
-            f"(ratio {self.candidate_s / self.baseline_s:.2f}, {self.source})"
-        )
-
-
-_TIMER: list[Timer] = []
-
-
-@contextlib.contextmanager
-def use_timer(timer: Timer) -> Iterator[None]:
-    """Decide with ``timer(candidate_call, baseline_call)`` inside the block (tests inject fixed
-    times: no test may depend on the speed of the machine it runs on)."""
-    _TIMER.append(timer)
-    try:
-        yield
-    finally:
-        _TIMER.pop()
-
 
 def cache_dir() -> Path:
-    """``linear-kernel`` next to the ``mlir-cpu`` decisions (``$MFUSION_CACHE_DIR``, else under
-    ``$XDG_CACHE_HOME/mfusion`` or ``~/.cache/mfusion``)."""
-    return mlir_cache_dir().parent / "linear-kernel"
+    """Where the GEMM-library decisions are kept (``linear-kernel``, see
+    :func:`~mfusion.passes._measured.decisions_dir`)."""
+    return decisions_dir(CACHE_KIND)
 
 
-def _cache_key(fields: dict[str, object], machine: MachineProfile) -> str:
-    text = json.dumps({**fields, "machine": machine.fingerprint()}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _read_cache(key: str, candidate: str, baseline: str) -> KernelChoice | None:
-    try:
-        data = json.loads((cache_dir() / f"{key}.json").read_text())
-        times = data["candidate_s"], data["baseline_s"]
-        return KernelChoice(bool(data["chosen"]), *times, "cache", candidate, baseline)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write_cache(key: str, choice: KernelChoice, fields: dict[str, object]) -> None:
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    data = {
-        "chosen": choice.chosen,
-        "candidate_s": choice.candidate_s,
-        "baseline_s": choice.baseline_s,
-        **fields,  # for a reader of the file; the key already holds them
-    }
-    tmp = directory / f".{key}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    tmp.replace(directory / f"{key}.json")  # atomic: a concurrent compile never reads half
+CACHE_KIND = "linear-kernel"
 
 
 @dataclasses.dataclass
@@ -186,34 +103,29 @@ def _decide(
     machine: MachineProfile,
     labels: tuple[str, str],
     calls: Callable[[_Operands], tuple[Callable[[], object], Callable[[], object]]],
-) -> KernelChoice:
+) -> Choice:
     """The candidate where ``policy`` forces it; otherwise time ``calls(operands) = (candidate,
     baseline)`` on random operands of shape ``mkn`` (or read the cached decision), and the
-    candidate wins at :data:`MIN_GAIN` or more."""
+    candidate wins at :data:`~mfusion.passes._measured.MIN_GAIN` or more."""
     if policy != LinearKernelPolicy.MEASURE:
         forced = policy == LinearKernelPolicy.ONEDNN
-        return KernelChoice(forced, None, None, f"linear_kernel={policy}", *labels)
+        return Choice(forced, None, None, f"linear_kernel={policy}", *labels)
     fields: dict[str, object] = {"mkn": list(mkn), "bias": bias, **extra}
-    key = _cache_key(fields, machine)
-    cached = _read_cache(key, *labels)
-    if cached is not None:
-        return cached
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.no_grad():
-        candidate, baseline = calls(_Operands.random(*mkn, bias))
-        timer = _TIMER[-1] if _TIMER else _default_timer
-        candidate_s, baseline_s = timer(candidate, baseline)
-    chosen = candidate_s <= (1 - MIN_GAIN) * baseline_s
-    choice = KernelChoice(chosen, candidate_s, baseline_s, "measured", *labels)
-    _write_cache(key, choice, fields)
-    log.info("linear %s (bias %s): %s", "x".join(map(str, mkn)), bias, choice.describe())
+    def measure() -> tuple[float, float]:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.no_grad():
+            candidate, baseline = calls(_Operands.random(*mkn, bias))
+            return timer()(candidate, baseline)
+
+    choice = decide(CACHE_KIND, fields, machine, labels, measure)
+    if choice.source == "measured":
+        log.info("linear %s (bias %s): %s", "x".join(map(str, mkn)), bias, choice.describe())
     return choice
 
 
-def choose(
-    m: int, k: int, n: int, bias: bool, policy: str, machine: MachineProfile
-) -> KernelChoice:
+def choose(m: int, k: int, n: int, bias: bool, policy: str, machine: MachineProfile) -> Choice:
     """oneDNN (chosen) or MKL for a frozen fp32 linear ``[m, k] x [n, k]^T`` on ``machine``."""
 
     def calls(ops: _Operands) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -231,7 +143,7 @@ def choose_fused(
     machine: MachineProfile,
     activation: Activation,
     unfused_onednn: bool,
-) -> KernelChoice:
+) -> Choice:
     """Whether oneDNN's GEMM with ``activation`` fused beats the unfused linear (the library
     :func:`choose` picked, ``unfused_onednn``) followed by the activation as a separate loop.
 
@@ -247,15 +159,6 @@ def choose_fused(
         return (lambda: ops.onednn(activation)), (lambda: activation.reference(unfused()))
 
     return _decide((m, k, n), bias, extra, policy, machine, labels, calls)
-
-
-def _default_timer(
-    candidate: Callable[[], object], baseline: Callable[[], object]
-) -> tuple[float, float]:
-    start = time.perf_counter()
-    baseline()
-    rounds = ROUNDS if time.perf_counter() - start < LARGE_CALL_S else LARGE_ROUNDS
-    return interleaved_timer(candidate, baseline, rounds, SAMPLE_S)
 
 
 class LinearKernelPass(MFusionPass):
@@ -299,7 +202,7 @@ class LinearKernelPass(MFusionPass):
         root: torch.nn.Module,
         weight: fx.Node,
         mkn: tuple[int, int, int],
-        choice: KernelChoice,
+        choice: Choice,
         epilogue: Epilogue | None,
     ) -> Rewrite:
         x, bias = node.args[0], node.args[3]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
 from mfusion.config import MFusionConfig
 from mfusion.passes.base import MFusionPass, PassContext
@@ -54,8 +54,11 @@ def _op_counter(graph: fx.Graph) -> collections.Counter[str]:
     return collections.Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
 
 
-class MFusionPassManager(CustomGraphPass):
+class MFusionPassManager(CustomInferenceAwareGraphPass):
     """Runs mfusion on each post-grad graph Inductor compiles.
+
+    Inference-aware: Inductor tells it whether the graph is an inference graph or the forward or
+    backward of a training step (``conv_layout`` times the backward too when one follows).
 
     Args:
         config: What to run; see :class:`~mfusion.config.MFusionConfig`.
@@ -66,11 +69,15 @@ class MFusionPassManager(CustomGraphPass):
         names = self.config.passes if self.config.passes is not None else tuple(PASS_REGISTRY)
         self.passes = [build_pass(name) for name in names]
 
-    def __call__(self, graph: fx.Graph) -> None:
-        self.run(graph)
+    # Inductor's inference-aware interface adds the flag to the base class's signature.
+    def __call__(self, graph: fx.Graph, is_inference: bool) -> None:  # type: ignore[override]
+        self.run(graph, is_inference)
 
-    def run(self, graph: fx.Graph) -> GraphReport:
-        """Rewrite ``graph`` in place and return (and record) what happened."""
+    def run(self, graph: fx.Graph, is_inference: bool | None = None) -> GraphReport:
+        """Rewrite ``graph`` in place and return (and record) what happened.
+
+        ``is_inference``: whether no backward follows (Inductor says); None when unknown, and
+        the passes that need to know refuse."""
         backend = self.config.resolved_backend()
         # Decide every machine-dependent rewrite of this graph for one profile, detected once.
         machine = self.config.resolved_machine()
@@ -78,7 +85,7 @@ class MFusionPassManager(CustomGraphPass):
         record = new_graph_report(backend.value)
         record.machine = machine.describe()
         record.ops_before = _op_counter(graph)
-        ctx = PassContext(config, record)
+        ctx = PassContext(config, record, is_inference)
         for graph_pass in self.passes:
             start = time.perf_counter()
             graph_pass(graph, ctx)

@@ -19,6 +19,7 @@ PASS_REGISTRY: dict[str, str] = {
     "gelu": "mfusion.passes.gelu:GELUPass",
     "swiglu": "mfusion.passes.swiglu:SwiGLUPass",
     "patch_conv": "mfusion.passes.patch_conv:PatchConvPass",
+    "conv_layout": "mfusion.passes.conv_layout:ConvLayoutPass",
     "matmul_cast": "mfusion.passes.matmul_cast:MatMulCastPass",
     "matmul_transpose": "mfusion.passes.matmul_transpose:MatMulTransposePass",
     "bmm_to_mm": "mfusion.passes.bmm_to_mm:BMMToMMPass",
