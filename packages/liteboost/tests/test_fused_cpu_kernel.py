@@ -7,7 +7,12 @@ import torch
 
 from liteboost.ops import rain_fusion_attention, sparse_attention
 from liteboost.ops.blocks import block_shape
-from liteboost.ops.cpu_extension import build_config, build_name, load_cpu_kernel
+from liteboost.ops.cpu_extension import (
+    build_config,
+    build_name,
+    extension_directory,
+    load_cpu_kernel,
+)
 from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention
 from liteboost.ops.rain_fusion import SparseKernel, default_kernel
 from liteboost.ops.reference import reference_block_sparse_attention
@@ -156,3 +161,16 @@ def test_build_name_changes_with_whatever_changes_the_binary():
         build_name(replace(avx2, cflags=(*avx2.cflags, "-DX")), "source", "2.9.0"),
     }
     assert base not in others and len(others) == 4
+
+
+def test_each_torch_installation_builds_in_its_own_folder(monkeypatch, tmp_path):
+    """Two environments with the same torch version share the name but not the build folder:
+    the build command names each one's torch headers, so sharing would rebuild in turn."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "liteboost_block_sparse_x86_avx2_0123456789ab"
+    one = extension_directory(name, "/envs/a/site-packages/torch")
+    assert one == extension_directory(name, "/envs/a/site-packages/torch")
+    assert one != extension_directory(name, "/envs/b/site-packages/torch")
+    assert one.parent.parent.parent == tmp_path / "liteboost" and one.parent.name == name
+    assert one.name.startswith("torch-")
+    assert extension_directory(name).parent == one.parent  # the imported torch's folder

@@ -6,8 +6,9 @@ minute on two cores, so a first sparse or RoPE call would otherwise sit silent t
 build is logged at INFO when it starts and ends, and ``liteboost build-cpu-kernel`` does it ahead
 of time (:func:`build_cpu_extension`). The compiler flags follow the vector ISA torch dispatches
 to (:func:`build_config`), and the name, which is the cache key, covers flags, source and torch
-version (:func:`build_name`). Builds are cached per Python ABI under torch's extension root
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; :func:`extension_directory`).
+version (:func:`build_name`). Builds are cached per Python ABI and torch installation under
+torch's extension root (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``;
+:func:`extension_directory`).
 """
 
 from __future__ import annotations
@@ -94,19 +95,26 @@ def build_name(config: BuildConfig, source: str, torch_version: str) -> str:
     return f"liteboost_block_sparse_{config.tag}_{digest.hexdigest()[:12]}"
 
 
-def extension_directory(name: str) -> Path:
+def extension_directory(name: str, torch_location: str | None = None) -> Path:
     """Where the extension ``name`` is built and cached.
 
-    ``<torch extension root>/liteboost/py<X><Y><abiflags>/<name>``: the root is torch's
-    (``TORCH_EXTENSIONS_DIR`` moves it); the Python tag keeps interpreters with different ABIs
-    apart, which the name does not cover. liteboost picks the folder itself, rather than
-    leaving it to torch, so that it knows before loading whether a build is due.
+    ``<torch extension root>/liteboost/py<X><Y><abiflags>/<name>/torch-<digest>``: the root is
+    torch's (``TORCH_EXTENSIONS_DIR`` moves it); the Python tag keeps interpreters with different
+    ABIs apart, which the name does not cover; the last folder is per torch installation
+    (``torch_location``, default the imported torch's folder). The build command names that
+    installation's header folders, so environments sharing one folder (a virtual environment
+    per test session, say) would each see a changed command and rebuild the others' binary in
+    turn, a minute each time; with a folder each, every environment builds once. liteboost
+    picks the folder itself, rather than leaving it to torch, so that it knows before loading
+    whether a build is due.
     """
     from torch.utils.cpp_extension import get_default_build_root
 
     root = env.read(env.TORCH_EXTENSIONS_DIR) or get_default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(root) / "liteboost" / python / name
+    location = torch_location or str(Path(torch.__file__).resolve().parent)
+    installation = f"torch-{hashlib.sha256(location.encode()).hexdigest()[:8]}"
+    return Path(root) / "liteboost" / python / name / installation
 
 
 @dataclass(frozen=True)
