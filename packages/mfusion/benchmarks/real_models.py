@@ -29,6 +29,13 @@ is averaged. Each copy compiles a deep copy of the module: Dynamo would hand a s
 mfusion 0.4.1 the "copies" of a variant were one compiled graph and averaged nothing. A row now
 costs ``3 x --copies`` compiles.
 
+Every row runs in a fresh process of its own (this script again, restricted to the row, with a
+fresh Inductor cache), so no row inherits what an earlier one compiled or allocated.
+``--processes N`` runs the row in N processes one after the other and pools their rounds: the
+ratio columns are the median and quartiles of all rounds, and ``per process`` keeps each
+process's own median. Copies average the draw of a compile; only processes average the draw of
+a process (ResNet-18's A/A ratio changed sign from one process to the next).
+
 ``--device cuda`` runs the same table on a GPU under Inductor/Triton: models and inputs on the
 device, every clock read after a device synchronisation, torch's CPU thread count left alone
 (``--threads`` is a CPU setting). The bf16 modes are the ones that matter there. mfusion's

@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import fx
@@ -92,22 +93,26 @@ class ConvShape:
         x_val, w_val = tensor_val(x), tensor_val(w)
         if x_val is None or w_val is None:
             return "no fake-tensor metadata"
-        sizes = [_ints(v) for v in (x_val.shape, w_val.shape, stride, padding, dilation)]
-        sizes.append(_ints(output_padding))
-        if any(s is None for s in sizes) or not isinstance(groups, int):
+        lists = (x_val.shape, w_val.shape, stride, padding, dilation, output_padding)
+        sizes = [_ints(v) for v in lists]
+        if None in sizes or not isinstance(groups, int):
             return "symbolic shape"
-        if x_val.dim() != 4:
-            return f"{x_val.dim() - 2}-D convolution (channels-last is a 2-D layout)"
-        x_size, w_size, stride_, padding_, dilation_, output_padding_ = sizes
-        dtype = str(x_val.dtype).removeprefix("torch.")
+        x_size, w_size, stride_, padding_, dilation_, output_padding_ = cast(
+            list[tuple[int, ...]], sizes
+        )
+        if len(x_size) != 4:
+            return f"{len(x_size) - 2}-D convolution (channels-last is a 2-D layout)"
         return cls(
-            *(x_size, w_size),  # type: ignore[arg-type]
-            bias is not None,
-            *(stride_, padding_, dilation_),  # type: ignore[arg-type]
-            bool(transposed),
-            output_padding_,  # type: ignore[arg-type]
-            groups,
-            dtype,
+            input=x_size,
+            weight=w_size,
+            bias=bias is not None,
+            stride=stride_,
+            padding=padding_,
+            dilation=dilation_,
+            transposed=bool(transposed),
+            output_padding=output_padding_,
+            groups=groups,
+            dtype=str(x_val.dtype).removeprefix("torch."),
         )
 
     def calls(self, backward: bool) -> tuple[Callable[[], object], Callable[[], object]]:
