@@ -215,10 +215,11 @@ class ConvLayoutPass(MFusionPass):
         convolutions = [n for n in graph.nodes if is_op(n, CONVOLUTION)]
         if not convolutions or not inductor_picks_channels_last(convolutions):
             return
-        reason = self._refusal(convolutions, ctx)
+        shapes = [ConvShape.of(n) for n in convolutions]
+        reason = self._refusal(convolutions, shapes, ctx)
         if reason is None:
-            shapes = collections.Counter(ConvShape.of(n) for n in convolutions)
-            choice = self._choose(shapes, ctx)  # type: ignore[arg-type]
+            counts = collections.Counter(s for s in shapes if isinstance(s, ConvShape))
+            choice = self._choose(counts, ctx)
             if choice.chosen:
                 for node in convolutions:
                     node.target = NCHW_CONVOLUTION
@@ -230,16 +231,19 @@ class ConvLayoutPass(MFusionPass):
             ctx.refused(self.name, node, reason)
 
     @staticmethod
-    def _refusal(convolutions: list[fx.Node], ctx: PassContext) -> str | None:
+    def _refusal(
+        convolutions: list[fx.Node], shapes: list[ConvShape | str], ctx: PassContext
+    ) -> str | None:
+        """Why the graph's layout is not decided here (``shapes``: :meth:`ConvShape.of` of each
+        convolution), or None."""
         if ctx.config.conv_layout == ConvLayoutPolicy.INDUCTOR:
             return "conv_layout=inductor"
         if ctx.is_inference is None:
             return "whether a backward follows is unknown (Inductor passes it to the manager)"
-        for node in convolutions:
+        for node, shape in zip(convolutions, shapes, strict=True):
             weight = node.args[1]
             if isinstance(weight, fx.Node) and weight.op == "get_attr":
                 return "a weight is a frozen constant: Inductor converts it once, at compile time"
-            shape = ConvShape.of(node)
             if isinstance(shape, str):
                 return shape
         return None
