@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import fx
@@ -43,7 +42,7 @@ from mfusion.config import LinearKernelPolicy, MFusionConfig
 from mfusion.machine import MachineProfile
 from mfusion.passes._activation import Activation, activation_after
 from mfusion.passes._graph import fake_mode_of, is_op, replace, tensor_val
-from mfusion.passes._measured import Choice, decide, decisions_dir, timer
+from mfusion.passes._measured import Choice, decide, timer
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 log = logging.getLogger("mfusion.linear_kernel")
@@ -53,13 +52,8 @@ ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
 ONEDNN_PACK = torch.ops.mkldnn._reorder_linear_weight.default
 
 
-def cache_dir() -> Path:
-    """Where the GEMM-library decisions are kept (``linear-kernel``, see
-    :func:`~mfusion.passes._measured.decisions_dir`)."""
-    return decisions_dir(CACHE_KIND)
-
-
 CACHE_KIND = "linear-kernel"
+"""The GEMM-library decisions' folder (:func:`~mfusion.passes._measured.decisions_dir`)."""
 
 
 @dataclasses.dataclass
