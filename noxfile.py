@@ -64,17 +64,19 @@ def _parallel_pytest(session: nox.Session, *paths: str | Path) -> None:
 
     Much of a package's suite is one process waiting on one core: an Inductor compile, a tiny
     model converted and run, a CLI importing torch before its ranks start. Two workers on a
-    two-core machine overlap that (measured: modelzoo 5:24 -> 4:08 min, mfusion about a fifth
-    less); suites made of 4-rank launches gain little, since their ranks fill the cores already.
-    ``loadgroup`` sends a module marked ``xdist_group`` to one worker as a whole, so a module
-    fixture that trains several runs once (hyperparallel's layouts) is not run once per worker.
-    Workers are capped because a distributed test starts up to 8 ranks of its own. Extra
-    arguments come last, so ``-- -n 0`` runs the suite in one process again.
+    two-core machine overlap that (a fresh clone's full run went from 31:51 to 22:47 min);
+    suites made of 4-rank launches gain least, since their ranks fill the cores already.
+    ``loadfile`` gives each test module to one worker, so a module fixture that trains several
+    runs once (hyperparallel's layouts) runs once, not once per worker. (``loadgroup`` with
+    ``xdist_group`` marks would split the big parametrised modules finer, but under pytest 9.2
+    it silently stops grouping: pytest-xdist issue 1386.) Workers are capped because a
+    distributed test starts up to 8 ranks of its own. Extra arguments come last, so
+    ``-- -n 0`` runs the suite in one process again.
     """
     affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core counts
     cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     workers = min(cores, MAX_TEST_WORKERS)
-    xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers > 1 else []
+    xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     _pytest(session, *xdist, *paths)
 
 

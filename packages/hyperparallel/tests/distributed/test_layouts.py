@@ -24,8 +24,7 @@ from hyperparallel.train.presets import debug
 from hyperparallel.train.trainer import TrainResult, train_rank
 from npu_core.dist import launch
 
-# one xdist worker runs the whole module: its module fixtures are the launches
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("layouts")]
+pytestmark = pytest.mark.distributed
 
 # 4 blocks so that V schedules get a block per stage on pp=2; one global batch for all layouts;
 # fp32 Newton-Schulz so that no comparison depends on the CPU's bf16 support.

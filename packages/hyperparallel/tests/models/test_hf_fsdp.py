@@ -15,9 +15,6 @@ from hyperparallel.optim.hybrid import get_hyper_optimizer
 from npu_core.dist import launch
 from packages.hyperparallel.tests.tiny_hf import FAMILIES, TINY_HF_SHAPE
 
-# one xdist worker runs the whole module, so its module fixture launches once
-pytestmark = pytest.mark.xdist_group("hf_fsdp")
-
 FSDP_FAMILIES = ("dense", "moe", "mla-moe")
 MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.1}

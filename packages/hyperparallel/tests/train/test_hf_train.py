@@ -23,9 +23,6 @@ from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
 from packages.hyperparallel.tests.tiny_hf import QWEN3_MOE, TINY_HF_SHAPE
 
-# one xdist worker runs the whole module, so its module fixture launches once
-pytestmark = pytest.mark.xdist_group("hf_train")
-
 MOE = QWEN3_MOE
 STEPS = 8
 
