@@ -62,16 +62,13 @@ def _pytest(session: nox.Session, *args: str | Path) -> None:
 def _parallel_pytest(session: nox.Session, *paths: str | Path) -> None:
     """``_pytest`` with one pytest-xdist worker per usable core, at most ``MAX_TEST_WORKERS``.
 
-    Much of a package's suite is one process waiting on one core: an Inductor compile, a tiny
-    model converted and run, a CLI importing torch before its ranks start. Two workers on a
-    two-core machine overlap that (a fresh clone's full run went from 31:51 to 22:47 min);
-    suites made of 4-rank launches gain least, since their ranks fill the cores already.
-    ``loadfile`` gives each test module to one worker, so a module fixture that trains several
-    runs once (hyperparallel's layouts) runs once, not once per worker. (``loadgroup`` with
-    ``xdist_group`` marks would split the big parametrised modules finer, but under pytest 9.2
-    it silently stops grouping: pytest-xdist issue 1386.) Workers are capped because a
-    distributed test starts up to 8 ranks of its own. Extra arguments come last, so
-    ``-- -n 0`` runs the suite in one process again.
+    Much of a package's suite is one process on one core (an Inductor compile, a tiny model
+    converted and run, a CLI importing torch before its ranks start); two workers on two cores
+    overlap that (a fresh clone's full run: 31:51 -> 20:56 min). ``loadfile`` keeps each test
+    module on one worker, so a module fixture that launches shared training runs (hyperparallel's
+    layouts) runs once. ``loadgroup`` would split big parametrised modules finer, but under
+    pytest 9.2 it silently stops grouping (pytest-xdist issue 1386). The cap: a distributed test
+    starts up to 8 ranks of its own. Extra arguments come last: ``-- -n 0`` runs one process.
     """
     affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core counts
     cores = len(affinity(0)) if affinity else os.cpu_count() or 1
