@@ -27,4 +27,7 @@ PASS_REGISTRY: dict[str, str] = {
     "matmul_reshape_bias": "mfusion.passes.matmul_reshape_bias:MatMulReshapeBiasPass",
     "matmul_bias": "mfusion.passes.matmul_bias:MatMulBiasPass",
     "linear_kernel": "mfusion.passes.linear_kernel:LinearKernelPass",
+    # last: linear_kernel recognises the activation after a GEMM by what it computes, to offer
+    # oneDNN's fused epilogue first; whatever erf/tanh is left becomes a rational function
+    "rational": "mfusion.passes.rational:RationalPass",
 }
