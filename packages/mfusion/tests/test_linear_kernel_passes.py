@@ -255,3 +255,17 @@ def test_fused_epilogue_must_beat_the_chosen_unfused_gemm_plus_the_activation(ca
     files = [json.loads(f.read_text()) for f in cache.glob("*.json")]
     fused = sorted((f["activation"], f["unfused"]) for f in files if "activation" in f)
     assert fused == [("relu", "oneDNN")] and len(files) == 2  # plain and fused, once each
+
+
+def test_fused_epilogue_is_timed_against_the_loop_the_graph_will_run(cache):
+    """With ``rational`` after ``linear_kernel`` (the default order) the unfused tanh-GELU is
+    timed in its rational form, as the graph will run it; without that pass, as Inductor's own
+    loop: two decisions, cached apart. (The timer checks both sides compute the same values.)"""
+    gelu_tanh = ACTIVATION_FORMS["nn.GELU(tanh)"][1]
+    for passes in (None, ("linear_kernel",)):
+        with _measured.use_timer(SequenceTimer((1.2e-3, 1.0e-3), (1.2e-3, 1.0e-3))):
+            out, expected, _ = _compile_head(gelu_tanh, passes=passes)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    files = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    loops = sorted(f["loop"] for f in files if "activation" in f)
+    assert loops == ["inductor", "rational"]

@@ -11,9 +11,10 @@ import mfusion
 from mfusion.passes.rational import RATIONALS
 
 aten = torch.ops.aten
-ACCURACY = 4.5e-7
-"""Max abs error of the float32 forms against float64 (the fit script prints 3.8e-7 and 3.3e-7;
-Inductor's own float32 erf kernel is at 5.3e-7)."""
+ACCURACY = 5e-7
+"""Max abs error of the float32 forms against float64: no worse than Inductor's own float32 erf
+kernel (5.3e-7; the fit script prints 3.8e-7 and 3.3e-7 for the rational forms, and the margin
+leaves room for another ISA's rounding, e.g. without fused multiply-adds)."""
 SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e-8, 3.99, 4.0, 4.01, 8.99, 9.0, 9.01, 50.0, -50.0, 1e30]
 FUNCTIONS = {"erf": torch.erf, "tanh": torch.tanh}
 

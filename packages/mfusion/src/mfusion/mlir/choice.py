@@ -297,6 +297,13 @@ def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
     """Inductor's compiled kernel for the region alone (``torch._inductor.compile``), as a call
     on ``inputs``. Compiled with fresh tracing state and without mfusion's own post-grad pass
     (which would outline the region again), so it can run inside another compile."""
+    compiled = inductor_compiled(gm, inputs)
+    return lambda: compiled(*inputs)
+
+
+def inductor_compiled(gm: fx.GraphModule, example: list[torch.Tensor]) -> Any:
+    """``gm`` compiled alone by Inductor for inputs like ``example`` (a callable taking them), the
+    way :func:`inductor_kernel` compiles it: usable from inside another compile."""
     import torch._inductor
     from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
@@ -308,9 +315,8 @@ def inductor_kernel(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Call:
         tracing(TracingContext(None)),
         inductor_config.patch(post_grad_custom_post_pass=None),
     ):
-        example: list[torch.Tensor | int | torch.SymInt | None] = list(inputs)
-        compiled: Any = torch._inductor.compile(region, example)
-    return lambda: compiled(*inputs)
+        inputs: list[torch.Tensor | int | torch.SymInt | None] = list(example)
+        return torch._inductor.compile(region, inputs)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

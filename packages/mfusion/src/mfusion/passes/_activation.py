@@ -53,8 +53,8 @@ class Activation:
 
     name: str
     reference: Callable[[torch.Tensor], torch.Tensor]
-    """Eager ATen kernel: the probe's reference, and the stand-in for Inductor's epilogue loop when
-    the pass times MKL + activation against oneDNN's fused GEMM."""
+    """Eager ATen form: the probe's reference, and what ``linear_kernel`` compiles alone to time
+    the unfused GEMM + activation against oneDNN's fused GEMM."""
     attr: str
     algorithm: str
 
