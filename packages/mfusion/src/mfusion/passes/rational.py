@@ -7,7 +7,7 @@ DiT's tanh-GELU 6.7%. Both functions are odd and saturate, so on a clamped range
 ``u * P(u^2) / Q(u^2)``: a clamp, one square, two short Horner chains, a multiply, a division and
 a clamp of the result to [-1, 1], all ops Inductor fuses into the loop they sit in, with no
 transcendental call. Over one 256x1024 float32 tensor on one AVX2 core that took erf-GELU from
-1.14 to 0.79 ms and tanh-GELU from 2.32 to 0.72 ms (``benchmarks/rational_activations.py``).
+1.00 to 0.76 ms and tanh-GELU from 2.08 to 0.78 ms (``benchmarks/rational_activations.py``).
 
 Accuracy (float32 evaluation against float64, over [-12, 12]): erf 3.8e-7 max abs error
 (Inductor's own vectorised erf: 5.3e-7; ATen's eager erf 5.6e-8), tanh 3.3e-7 (Inductor's and
