@@ -186,8 +186,8 @@ def _activation_loop(
         RationalPass()(gm.graph, context)
         gm.graph.eliminate_dead_code()
         gm.recompile()
-    compiled = inductor_compiled(gm, [example])
-    return lambda y: compiled(y)
+    loop_kernel: Callable[[torch.Tensor], torch.Tensor] = inductor_compiled(gm, [example])
+    return loop_kernel
 
 
 def rational_runs_after(config: MFusionConfig) -> bool:

@@ -1,4 +1,4 @@
-"""erf and tanh as rational functions: the same float32 accuracy class in a third of the work.
+"""erf and tanh as rational functions: float32 accuracy without a transcendental call.
 
 Inductor's CPU kernels call ATen's vectorised ``erf`` (a division, a polynomial and a full
 Sleef ``exp``) and ``tanh`` (Sleef's ``tanhf_u10``), the costliest element-wise ops in the
