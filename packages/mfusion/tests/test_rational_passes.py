@@ -105,18 +105,18 @@ def test_refuses_other_dtypes(harness, dtype, reason):
     record = harness.apply(gm, "rational")
     assert record.rewritten("rational") == 0
     assert harness.count(gm, aten.erf.default) == 1
-    assert any(reason in r for r in (d.reason for d in record.refused("rational")))
+    assert any(reason in d.reason for d in record.refused("rational"))
 
 
 def test_refuses_gpu_graphs(harness):
     gm = harness.trace_on("cuda", torch.tanh, torch.randn(8, 8))
     record = harness.apply(gm, "rational")
     assert harness.count(gm, aten.tanh.default) == 1
-    assert any("device cuda" in r for r in (d.reason for d in record.refused("rational")))
+    assert any("device cuda" in d.reason for d in record.refused("rational"))
 
 
 def test_refuses_under_the_mlir_backend(harness):
     gm = harness.trace(torch.tanh, torch.randn(8, 8))
     record = harness.apply(gm, "rational", backend="mlir-cpu")
     assert harness.count(gm, aten.tanh.default) == 1
-    assert any("mlir-cpu" in r for r in (d.reason for d in record.refused("rational")))
+    assert any("mlir-cpu" in d.reason for d in record.refused("rational"))
