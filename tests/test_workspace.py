@@ -11,7 +11,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
-WORKSPACE_IMPORTS = {"npu_core", "mccl", "hyperparallel", "mfusion", "liteboost", "modelzoo"}
+
+
+def _project(package: Path) -> dict:
+    return tomllib.loads((package / "pyproject.toml").read_text())
+
+
+def _import_name(package: Path) -> str:
+    """The one top-level module a member's wheel ships (``src/<module>``)."""
+    (source,) = _project(package)["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    return Path(source).name
+
+
+def _distribution_name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=~!;]", requirement)[0]
+
+
+DISTRIBUTIONS = {_project(p)["project"]["name"]: _import_name(p) for p in PACKAGES}
+WORKSPACE_IMPORTS = set(DISTRIBUTIONS.values())
 
 
 def _quick_start_commands() -> list[str]:
@@ -45,18 +62,42 @@ def test_package_layout_and_version(package):
     assert f"## {meta['version']}" in changelog, "CHANGELOG.md lacks the current version"
     for part in ("README.md", "tests", "benchmarks"):
         assert (package / part).exists(), part
-    assert (package / "src" / meta["name"].replace("-", "_") / "__init__.py").exists()
+    assert (package / "src" / _import_name(package) / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_distribution_names_share_the_project_prefix(package):
+    """Every member is published as ``torchmind-<folder>``: the bare names ``mccl`` and
+    ``modelzoo`` belong to unrelated projects on the package index."""
+    assert _project(package)["project"]["name"] == f"torchmind-{package.name}"
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_sibling_dependencies_carry_a_version_range(package):
+    """A sibling requirement has a floor and a ceiling (the next minor release of a 0.x member),
+    so a wheel published alone never resolves to an incompatible sibling."""
+    meta = _project(package)["project"]
+    extras = meta.get("optional-dependencies", {}).values()
+    groups = _project(package).get("dependency-groups", {}).values()
+    requirements = [
+        *meta["dependencies"],
+        *(d for e in extras for d in e),
+        *(d for g in groups for d in g),
+    ]
+    for requirement in requirements:
+        if isinstance(requirement, str) and _distribution_name(requirement) in DISTRIBUTIONS:
+            assert re.search(r">=[\d.]+,<[\d.]+$", requirement), requirement
 
 
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
 def test_package_imports_only_declared_siblings(package):
     """A package's source imports no workspace sibling it does not declare as a dependency."""
-    meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
-    own = meta["name"].replace("-", "_")
+    meta = _project(package)["project"]
+    own = _import_name(package)
     # An optional extra counts as declared: the package must then import it lazily and guarded.
     extras = meta.get("optional-dependencies", {}).values()
     requirements = [*meta["dependencies"], *(dep for extra in extras for dep in extra)]
-    declared = {re.split(r"[\s\[<>=~!;]", dep)[0].replace("-", "_") for dep in requirements}
+    declared = {DISTRIBUTIONS.get(_distribution_name(dep)) for dep in requirements}
     for source in (package / "src").rglob("*.py"):
         imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", source.read_text(), re.M))
         undeclared = (imported & WORKSPACE_IMPORTS) - declared - {own}
@@ -76,6 +117,5 @@ def test_no_module_imports_torch_npu_at_top_level():
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
 def test_every_member_imports_beside_the_others(package):
     """With all members installed in one environment, each one's top-level module imports."""
-    meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
-    module = importlib.import_module(meta["name"].replace("-", "_"))
-    assert module.__name__ == meta["name"].replace("-", "_")
+    module = importlib.import_module(_import_name(package))
+    assert module.__version__ == _project(package)["project"]["version"]

@@ -18,13 +18,13 @@ import time
 import torch
 from rich.progress import track
 
-from modelzoo import registry
-from modelzoo.build import build_model
-from modelzoo.convert import convert
-from modelzoo.env import force_offline
-from modelzoo.examples.base import ExportWrapper, example_for
-from modelzoo.runner import run
 from npu_core.bench import BenchTable, compare
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.build import build_model
+from torchmind_modelzoo.convert import convert
+from torchmind_modelzoo.env import force_offline
+from torchmind_modelzoo.examples.base import ExportWrapper, example_for
+from torchmind_modelzoo.runner import run
 
 force_offline()  # modelzoo imports transformers / diffusers only when it builds a model
 

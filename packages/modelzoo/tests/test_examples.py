@@ -4,12 +4,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from modelzoo import registry
-from modelzoo.build import build_model
-from modelzoo.cli import app
-from modelzoo.examples.base import example_for
-from modelzoo.examples.embed import pool
-from modelzoo.examples.speech import synthetic_waveform
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.build import build_model
+from torchmind_modelzoo.cli import app
+from torchmind_modelzoo.examples.base import example_for
+from torchmind_modelzoo.examples.embed import pool
+from torchmind_modelzoo.examples.speech import synthetic_waveform
 
 
 def test_greedy_generation_matches_recomputed_argmax():
@@ -105,7 +105,7 @@ def test_run_without_tiny_needs_a_local_path():
 
 
 def test_listed_card_cannot_be_converted(tmp_path):
-    from modelzoo.convert import convert
+    from torchmind_modelzoo.convert import convert
 
     with pytest.raises(ValueError, match="listed card"):
         convert(registry.get("minicpm-v-4.5"), tmp_path, tiny=True)

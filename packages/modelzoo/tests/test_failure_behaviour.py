@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from modelzoo import registry
-from modelzoo.checks import InputError
-from modelzoo.cli import app, main
-from modelzoo.convert import convert
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.checks import InputError
+from torchmind_modelzoo.cli import app, main
+from torchmind_modelzoo.convert import convert
 
 SAFETENSORS_CARD = "qwen3-vl-2b-instruct"  # converts in well under a second (no export)
 EXPORT_CARD = "qwen3-0.6b"
@@ -252,7 +252,7 @@ def test_failed_overwrite_keeps_the_previous_conversion(tmp_path, monkeypatch):
     out = tmp_path / "out"
     convert(registry.get(SAFETENSORS_CARD), out, tiny=True)
     before = _tree(tmp_path)
-    monkeypatch.setattr("modelzoo.convert._check_close", _disagree)
+    monkeypatch.setattr("torchmind_modelzoo.convert._check_close", _disagree)
     with pytest.raises(RuntimeError, match="forced by the test"):
         convert(registry.get(EXPORT_CARD), out, tiny=True, overwrite=True)
     assert _tree(tmp_path) == before
@@ -260,7 +260,7 @@ def test_failed_overwrite_keeps_the_previous_conversion(tmp_path, monkeypatch):
 
 def test_failed_conversion_into_new_folder_leaves_nothing(tmp_path, monkeypatch):
     """The folder convert created for a conversion that then failed is removed again."""
-    monkeypatch.setattr("modelzoo.convert._check_close", _disagree)
+    monkeypatch.setattr("torchmind_modelzoo.convert._check_close", _disagree)
     with pytest.raises(RuntimeError, match="forced by the test"):
         convert(registry.get(EXPORT_CARD), tmp_path / "new" / "out", tiny=True)
     assert _tree(tmp_path) == {"new/": ""}
@@ -272,9 +272,9 @@ def test_api_raises_input_error_before_building(tmp_path, monkeypatch):
     def _no_build(*_args, **_kwargs):
         raise AssertionError("the model was built")
 
-    monkeypatch.setattr("modelzoo.convert.build_model", _no_build)
-    monkeypatch.setattr("modelzoo.runner.build_model", _no_build)
-    from modelzoo.runner import run
+    monkeypatch.setattr("torchmind_modelzoo.convert.build_model", _no_build)
+    monkeypatch.setattr("torchmind_modelzoo.runner.build_model", _no_build)
+    from torchmind_modelzoo.runner import run
 
     card = registry.get(EXPORT_CARD)
     with pytest.raises(InputError, match="give --tiny or --path, not both"):

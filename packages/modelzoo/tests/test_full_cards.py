@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from modelzoo import Task, registry
-from modelzoo.convert import convert
-from modelzoo.runner import run
+from torchmind_modelzoo import Task, registry
+from torchmind_modelzoo.convert import convert
+from torchmind_modelzoo.runner import run
 
 FULL = [c.id for c in registry.list(status="full")]
 
@@ -68,8 +68,8 @@ def test_full_card_converts_and_runs_tiny(name, tmp_path):
 @pytest.mark.distributed
 def test_video_run_on_two_ranks_matches_single_process():
     """`run --nproc 2` (liteboost Ulysses over gloo) gives the single-process latent."""
-    from modelzoo.cli import _rank_run
     from npu_core.dist import launch
+    from torchmind_modelzoo.cli import _rank_run
 
     card = registry.get("wan2.1-t2v-14b")
     # Dense attention keeps the ranks from compiling FlexAttention (minutes on 2 cores); the

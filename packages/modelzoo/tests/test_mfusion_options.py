@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modelzoo import registry
-from modelzoo.checks import InputError
-from modelzoo.convert import convert
-from modelzoo.fusion import mfusion_options
-from modelzoo.runner import run
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.checks import InputError
+from torchmind_modelzoo.convert import convert
+from torchmind_modelzoo.fusion import mfusion_options
+from torchmind_modelzoo.runner import run
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from modelzoo import CardError, Category, Status, registry
-from modelzoo.cli import app
-from modelzoo.table import END, START, render_markdown
+from torchmind_modelzoo import CardError, Category, Status, registry
+from torchmind_modelzoo.cli import app
+from torchmind_modelzoo.table import END, START, render_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -137,7 +137,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda n, *a: None if n.split(".")[0] in BLOCKED else find_spec(n, *a)
-from modelzoo.cli import main
+from torchmind_modelzoo.cli import main
 sys.argv = ["modelzoo", *sys.argv[1:]]
 main()
 """
@@ -159,4 +159,4 @@ def test_cli_lists_and_validates_without_model_libraries():
     checked = cli("validate")
     assert checked.returncode == 0 and "library class checked for 0" in checked.stdout
     ran = cli("run", "qwen3-0.6b", "--tiny")
-    assert ran.returncode == 1 and "modelzoo[transformers]" in ran.stderr, ran.stderr
+    assert ran.returncode == 1 and "torchmind-modelzoo[transformers]" in ran.stderr, ran.stderr

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from modelzoo import CardError, registry
-from modelzoo.validate import check_library, load_card_file
+from torchmind_modelzoo import CardError, registry
+from torchmind_modelzoo.validate import check_library, load_card_file
 
 
 def _good() -> dict:

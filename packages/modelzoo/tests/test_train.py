@@ -27,12 +27,17 @@ from typer.testing import CliRunner
 from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.data.tokens import encode, load_text
 from hyperparallel.train.trainer import train_rank
-from modelzoo import registry
-from modelzoo.checks import InputError
-from modelzoo.cli import app
-from modelzoo.options import TrainOptions
-from modelzoo.training import check_trainable, train_config, trainable_cards, write_tiny_config
 from npu_core.dist import launch
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.checks import InputError
+from torchmind_modelzoo.cli import app
+from torchmind_modelzoo.options import TrainOptions
+from torchmind_modelzoo.training import (
+    check_trainable,
+    train_config,
+    trainable_cards,
+    write_tiny_config,
+)
 
 STEPS = 20
 SMALL = {"max_bytes": 200_000, "seq_len": 32, "batch_size": 4}

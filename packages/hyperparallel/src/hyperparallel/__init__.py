@@ -2,6 +2,6 @@
 
 from importlib.metadata import version
 
-__version__ = version("hyperparallel")
+__version__ = version("torchmind-hyperparallel")
 
 __all__ = ["__version__"]

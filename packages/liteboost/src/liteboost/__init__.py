@@ -19,7 +19,7 @@ from liteboost.models.registry import (
 from liteboost.ops import rain_fusion_attention, sparse_attention
 from liteboost.parallel.manager import ParallelConfig, ParallelManager
 
-__version__ = version("liteboost")
+__version__ = version("torchmind-liteboost")
 
 __all__ = [
     "AttentionBackend",

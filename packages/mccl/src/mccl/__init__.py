@@ -6,7 +6,7 @@ from mccl._worker import GroupFuture
 from mccl.api import InitHandle, init_process_group, is_ready, new_group, wait
 from mccl.errors import InitTimeoutError, MCCLError
 
-__version__ = version("mccl")
+__version__ = version("torchmind-mccl")
 
 __all__ = [
     "GroupFuture",

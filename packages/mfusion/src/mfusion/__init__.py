@@ -17,7 +17,7 @@ from mfusion.passes.registry import PASS_REGISTRY
 from mfusion.report import GraphReport, Report, clear_report, report
 
 try:
-    __version__ = version("mfusion")
+    __version__ = version("torchmind-mfusion")
 except PackageNotFoundError:  # running from a source tree without metadata
     __version__ = "0.0.0"
 

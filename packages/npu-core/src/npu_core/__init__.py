@@ -12,7 +12,7 @@ from npu_core.device import (
     is_available,
 )
 
-__version__ = version("npu-core")
+__version__ = version("torchmind-npu-core")
 
 __all__ = [
     "Backend",

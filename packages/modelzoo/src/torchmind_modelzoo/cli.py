@@ -18,13 +18,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from modelzoo import registry
-from modelzoo.checks import InputError, check_card_file, check_source
-from modelzoo.options import ConvertOptions, RunOptions, TrainOptions
-from modelzoo.schema import Category, ModelCard, Status
-from modelzoo.table import render_markdown, update_readme
-from modelzoo.validate import CardError
 from npu_core.cli import config_options, run_app
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.checks import InputError, check_card_file, check_source
+from torchmind_modelzoo.options import ConvertOptions, RunOptions, TrainOptions
+from torchmind_modelzoo.schema import Category, ModelCard, Status
+from torchmind_modelzoo.table import render_markdown, update_readme
+from torchmind_modelzoo.validate import CardError
 
 app = typer.Typer(
     help="Model cards for 100 current models; convert and run the 'full' ones.\n\n"
@@ -130,8 +130,8 @@ def convert(
     before it is written, e.g. `modelzoo convert qwen3-8b --tiny --out out/qwen3`. --out must
     be new or empty, or hold a previous conversion and --overwrite be given.
     """
-    from modelzoo.build import LibraryMissingError
-    from modelzoo.convert import convert as run_convert
+    from torchmind_modelzoo.build import LibraryMissingError
+    from torchmind_modelzoo.convert import convert as run_convert
 
     card = _card(name)
     if config.out is None:
@@ -147,7 +147,7 @@ def convert(
 
 def _rank_run(card: ModelCard, kwargs: dict) -> dict:
     """One rank of ``run --nproc N`` (module level, so the launcher can pickle it)."""
-    from modelzoo.runner import run as run_example
+    from torchmind_modelzoo.runner import run as run_example
 
     return run_example(card, **kwargs)
 
@@ -166,7 +166,7 @@ def run(
     card = _card(name)
     kwargs = config.model_dump(exclude={"nproc"})
     kwargs["path"] = None if config.path is None else str(config.path)
-    from modelzoo.build import LibraryMissingError
+    from torchmind_modelzoo.build import LibraryMissingError
 
     try:
         # Checked here as well as in each rank, so that a bad input starts no rank.
@@ -179,7 +179,7 @@ def run(
             results = launch(_rank_run, config.nproc, card, kwargs, timeout=1800.0)
             result = {**results[0], "nproc": config.nproc}
         else:
-            from modelzoo.runner import run as run_example
+            from torchmind_modelzoo.runner import run as run_example
 
             with console.status(f"running {name}"):
                 result = run_example(card, **kwargs)
@@ -206,8 +206,8 @@ def train(
     metrics.json, loss.png and DCP checkpoints into --out-dir (default runs/train/<card>).
     Needs the `train` extra (hyperparallel).
     """
-    from modelzoo.build import LibraryMissingError
-    from modelzoo.training import train as run_training
+    from torchmind_modelzoo.build import LibraryMissingError
+    from torchmind_modelzoo.training import train as run_training
 
     card = _card(name)
     try:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from modelzoo.checks import InputError
-from modelzoo.schema import ModelCard
+from torchmind_modelzoo.checks import InputError
+from torchmind_modelzoo.schema import ModelCard
 
 FUSED_OP_PASSES = {
     "rms_norm": "rmsnorm",

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example, model_config, seeded_ids
+from torchmind_modelzoo.examples.base import Example, model_config, seeded_ids
 
 
 def _vocab(model: torch.nn.Module) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example, model_config, model_dtype
+from torchmind_modelzoo.examples.base import Example, model_config, model_dtype
 
 SAMPLE_RATE = 16_000
 

@@ -6,8 +6,8 @@ library is needed only to build, convert or run its models.
 
 from importlib.metadata import version
 
-from modelzoo import registry
-from modelzoo.schema import (
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.schema import (
     Attention,
     Category,
     ConvertConfig,
@@ -17,9 +17,9 @@ from modelzoo.schema import (
     Status,
     Task,
 )
-from modelzoo.validate import CardError
+from torchmind_modelzoo.validate import CardError
 
-__version__ = version("modelzoo")
+__version__ = version("torchmind-modelzoo")
 
 __all__ = [
     "Attention",

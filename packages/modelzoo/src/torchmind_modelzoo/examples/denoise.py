@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example, model_config, model_dtype
-from modelzoo.examples.denoise_inputs import builder_for
+from torchmind_modelzoo.examples.base import Example, model_config, model_dtype
+from torchmind_modelzoo.examples.denoise_inputs import builder_for
 
 
 class Denoise(Example):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from modelzoo.schema import ExampleConfig
+from torchmind_modelzoo.schema import ExampleConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from modelzoo.build import build_model, resolve_dtype
-from modelzoo.checks import InputError, check_source
-from modelzoo.examples.base import example_for
-from modelzoo.schema import ModelCard
+from torchmind_modelzoo.build import build_model, resolve_dtype
+from torchmind_modelzoo.checks import InputError, check_source
+from torchmind_modelzoo.examples.base import example_for
+from torchmind_modelzoo.schema import ModelCard
 
 
 def _apply_liteboost(card: ModelCard, model: torch.nn.Module, tiny: bool) -> dict[str, Any]:
@@ -70,8 +70,8 @@ def run(
         boost: apply the card's liteboost options (video cards).
         trust_remote_code: forwarded to transformers only when asked for.
         mfusion: compile the model with Inductor and the card's mfusion options
-            (:mod:`modelzoo.fusion`) before running; off by default because compiling costs
-            far more than the tiny examples themselves.
+            (:mod:`torchmind_modelzoo.fusion`) before running; off by default because compiling
+            costs far more than the tiny examples themselves.
         **options: example options (``prompt=`` for text generation).
 
     Returns:
@@ -86,7 +86,7 @@ def run(
     folder = check_source(card, tiny=tiny, path=path)
     fusion = None
     if mfusion:
-        from modelzoo.fusion import MFusionApplied
+        from torchmind_modelzoo.fusion import MFusionApplied
 
         fusion = MFusionApplied(card)
     start = time.perf_counter()
@@ -128,7 +128,7 @@ def run(
 
 
 def _load_second_expert(card: ModelCard, path: Path, dtype: torch.dtype) -> torch.nn.Module:
-    from modelzoo.build import model_class
+    from torchmind_modelzoo.build import model_class
 
     folder = path / "transformer_2"
     if not folder.is_dir():

@@ -3,9 +3,9 @@
 ``export`` cards produce a ``torch.export`` program (``model.pt2``) with the card's dynamic-shape
 spec, checked against eager on the example inputs before it is written; ``safetensors`` cards
 write weights and config. Arguments and the output folder are checked before the model is built
-(:mod:`modelzoo.checks`). Every file is written under a temporary name and renamed, the manifest
-last, so a crash never leaves an artefact that looks complete, and a failed ``--overwrite``
-leaves the previous conversion as it was.
+(:mod:`torchmind_modelzoo.checks`). Every file is written under a temporary name and renamed,
+the manifest last, so a crash never leaves an artefact that looks complete, and a failed
+``--overwrite`` leaves the previous conversion as it was.
 """
 
 from __future__ import annotations
@@ -19,11 +19,17 @@ from typing import Any
 
 import torch
 
-from modelzoo.build import build_model, resolve_dtype
-from modelzoo.checks import ARTEFACTS, InputError, check_out_dir, check_source, output_folder
-from modelzoo.examples.base import ExportWrapper, example_for, model_config
-from modelzoo.schema import ModelCard
 from npu_core.files import atomic_path, sha256_file
+from torchmind_modelzoo.build import build_model, resolve_dtype
+from torchmind_modelzoo.checks import (
+    ARTEFACTS,
+    InputError,
+    check_out_dir,
+    check_source,
+    output_folder,
+)
+from torchmind_modelzoo.examples.base import ExportWrapper, example_for, model_config
+from torchmind_modelzoo.schema import ModelCard
 
 
 def _atomic_target(path: Path, write: Callable[[Path], object]) -> Path:
@@ -113,7 +119,7 @@ def convert(
         overwrite: replace a previous conversion in ``out`` (its files are replaced only once
             the new ones are complete; files of the old one that the new one lacks are removed).
         mfusion: also compile the exported program with Inductor and the card's mfusion options
-            (:mod:`modelzoo.fusion`), check it against eager and record what mfusion did.
+            (:mod:`torchmind_modelzoo.fusion`), check it against eager and record what mfusion did.
 
     Returns:
         The manifest (also written as ``out/manifest.json``).
@@ -145,7 +151,7 @@ def _retire_manifest(out: Path) -> None:
 
 
 def _mfusion_for(card: ModelCard) -> Any:
-    from modelzoo.fusion import MFusionApplied
+    from torchmind_modelzoo.fusion import MFusionApplied
 
     return MFusionApplied(card)
 
@@ -165,7 +171,7 @@ def _convert(
     model = build_model(
         card, tiny=tiny, path=path, dtype=torch_dtype, trust_remote_code=trust_remote_code
     )
-    from modelzoo.fusion import mfusion_options
+    from torchmind_modelzoo.fusion import mfusion_options
 
     manifest: dict[str, Any] = {
         "card": card.id,

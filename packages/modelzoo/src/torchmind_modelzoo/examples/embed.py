@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from modelzoo.examples.base import Example, model_config, model_dtype, seeded_ids
+from torchmind_modelzoo.examples.base import Example, model_config, model_dtype, seeded_ids
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from modelzoo.schema import ModelCard
+from torchmind_modelzoo.schema import ModelCard
 
 
 class CardError(ValueError):

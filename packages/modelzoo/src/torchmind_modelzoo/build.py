@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from modelzoo.checks import InputError
-from modelzoo.schema import ModelCard
+from torchmind_modelzoo.checks import InputError
+from torchmind_modelzoo.schema import ModelCard
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +44,7 @@ def model_class(card: ModelCard) -> type[Any]:
     except ImportError:
         extra = "diffusers" if card.library == "diffusers" else card.package
         raise LibraryMissingError(
-            f"{card.id} needs {card.package!r}: pip install 'modelzoo[{extra}]'"
+            f"{card.id} needs {card.package!r}: pip install 'torchmind-modelzoo[{extra}]'"
         ) from None
     return getattr(module, card.architecture)
 

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 
-from modelzoo.schema import Category, ModelCard, Status
-from modelzoo.validate import CardError, check_library, load_card_file
+from torchmind_modelzoo.schema import Category, ModelCard, Status
+from torchmind_modelzoo.validate import CardError, check_library, load_card_file
 
 _CARDS: dict[str, ModelCard] | None = None
 _SOURCES: dict[str, str] = {}
@@ -20,7 +20,7 @@ _EXTRA: dict[str, ModelCard] = {}
 
 def cards_dir() -> Path:
     """Directory of the shipped card files (``cards/<category>/<id>.yaml``)."""
-    return Path(str(resources.files("modelzoo") / "cards"))
+    return Path(str(resources.files("torchmind_modelzoo") / "cards"))
 
 
 def _shipped() -> dict[str, ModelCard]:

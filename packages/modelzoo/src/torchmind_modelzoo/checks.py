@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from modelzoo.schema import ModelCard
+from torchmind_modelzoo.schema import ModelCard
 
 ARTEFACTS = ("model.pt2", "model.safetensors", "config.json", "manifest.json")
 """Files ``modelzoo convert`` writes into ``--out``; ``--overwrite`` replaces only these."""

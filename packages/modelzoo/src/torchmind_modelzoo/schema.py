@@ -1,7 +1,8 @@
 """The model card schema: one pydantic model per card file, unknown keys forbidden.
 
 A card is data only. Checks that need an installed library (does the architecture class exist?)
-live in :mod:`modelzoo.validate`, so that reading and listing cards never imports torch models.
+live in :mod:`torchmind_modelzoo.validate`, so that reading and listing cards never imports torch
+models.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Status(enum.StrEnum):
 
 
 class Task(enum.StrEnum):
-    """Which inference example a full card runs (see :mod:`modelzoo.examples`)."""
+    """Which inference example a full card runs (see :mod:`torchmind_modelzoo.examples`)."""
 
     TEXT_GENERATION = "text-generation"
     IMAGE_TEXT_GENERATION = "image-text-generation"

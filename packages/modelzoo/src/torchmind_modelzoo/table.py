@@ -6,8 +6,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from modelzoo.schema import Category, ModelCard, Status
 from npu_core.files import write_text_atomic
+from torchmind_modelzoo.schema import Category, ModelCard, Status
 
 START = "<!-- modelzoo:support-table:start -->"
 END = "<!-- modelzoo:support-table:end -->"

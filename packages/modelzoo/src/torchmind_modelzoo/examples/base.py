@@ -1,7 +1,7 @@
 """What every inference example provides: export inputs, an export wrapper, and a runnable demo.
 
-Each :class:`~modelzoo.schema.Task` maps to one ``Example`` subclass; the registry imports the
-module that defines it only when a card asks for it.
+Each :class:`~torchmind_modelzoo.schema.Task` maps to one ``Example`` subclass; the registry
+imports the module that defines it only when a card asks for it.
 """
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from typing import Any
 
 import torch
 
-from modelzoo.schema import ModelCard, Task
+from torchmind_modelzoo.schema import ModelCard, Task
 
 _EXAMPLES: dict[Task, str] = {
-    Task.TEXT_GENERATION: "modelzoo.examples.text:TextGeneration",
-    Task.IMAGE_TEXT_GENERATION: "modelzoo.examples.vision:VisionLanguage",
-    Task.RERANK_LM: "modelzoo.examples.text:RerankLM",
-    Task.EMBEDDING: "modelzoo.examples.embed:Embedding",
-    Task.RERANK_CROSS_ENCODER: "modelzoo.examples.embed:CrossEncoder",
-    Task.IMAGE_TEXT: "modelzoo.examples.embed:ImageText",
-    Task.ASR: "modelzoo.examples.speech:Transcribe",
-    Task.IMAGE_DENOISE: "modelzoo.examples.denoise:Denoise",
-    Task.VIDEO_DENOISE: "modelzoo.examples.denoise:Denoise",
+    Task.TEXT_GENERATION: "torchmind_modelzoo.examples.text:TextGeneration",
+    Task.IMAGE_TEXT_GENERATION: "torchmind_modelzoo.examples.vision:VisionLanguage",
+    Task.RERANK_LM: "torchmind_modelzoo.examples.text:RerankLM",
+    Task.EMBEDDING: "torchmind_modelzoo.examples.embed:Embedding",
+    Task.RERANK_CROSS_ENCODER: "torchmind_modelzoo.examples.embed:CrossEncoder",
+    Task.IMAGE_TEXT: "torchmind_modelzoo.examples.embed:ImageText",
+    Task.ASR: "torchmind_modelzoo.examples.speech:Transcribe",
+    Task.IMAGE_DENOISE: "torchmind_modelzoo.examples.denoise:Denoise",
+    Task.VIDEO_DENOISE: "torchmind_modelzoo.examples.denoise:Denoise",
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from modelzoo.examples.base import Example, model_config, model_dtype, seeded_ids
+from torchmind_modelzoo.examples.base import Example, model_config, model_dtype, seeded_ids
 
 
 class VisionLanguage(Example):

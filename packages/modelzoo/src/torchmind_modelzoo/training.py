@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from modelzoo import registry
-from modelzoo.build import LibraryMissingError, model_class, tiny_overrides
-from modelzoo.checks import InputError, check_source
-from modelzoo.options import TrainOptions
-from modelzoo.schema import Category, ModelCard, Status
+from torchmind_modelzoo import registry
+from torchmind_modelzoo.build import LibraryMissingError, model_class, tiny_overrides
+from torchmind_modelzoo.checks import InputError, check_source
+from torchmind_modelzoo.options import TrainOptions
+from torchmind_modelzoo.schema import Category, ModelCard, Status
 
 
 def trainable_cards() -> list[ModelCard]:
@@ -43,7 +43,7 @@ def check_trainable(card: ModelCard) -> None:
 def _require_hyperparallel() -> None:
     if importlib.util.find_spec("hyperparallel") is None:
         raise LibraryMissingError(
-            "modelzoo train needs hyperparallel: pip install 'modelzoo[train]'"
+            "modelzoo train needs hyperparallel: pip install 'torchmind-modelzoo[train]'"
         )
 
 
