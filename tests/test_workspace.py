@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -119,3 +120,17 @@ def test_every_member_imports_beside_the_others(package):
     """With all members installed in one environment, each one's top-level module imports."""
     module = importlib.import_module(_import_name(package))
     assert module.__version__ == _project(package)["project"]["version"]
+
+
+def test_readme_results_tables_match_their_result_files():
+    """A README's results table is the rendering of the committed result file its marker names
+    (refresh with ``uv run python tools/docs_tables.py --write``)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from docs_tables import readmes, refresh_blocks
+
+    stale = [
+        str(p.relative_to(ROOT))
+        for p in readmes()
+        if refresh_blocks(p.read_text()) != p.read_text()
+    ]
+    assert stale == [], "stale results tables; run: uv run python tools/docs_tables.py --write"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import statistics
+import sys
 import time
 
 import pytest
@@ -226,3 +227,19 @@ def test_environment_info_identifies_software_not_machine():
         assert host not in text
     assert os.getcwd() not in text
     assert os.path.expanduser("~") not in text
+
+
+def test_result_file_renders_its_own_machine_and_command(tmp_path, monkeypatch):
+    """A committed result renders with the command and machine stamped in it, not the reader's."""
+    monkeypatch.setattr(sys, "argv", ["packages/x/benchmarks/speed.py", "--out", "results"])
+    table = bench.BenchTable("speed", ["case", "ratio"])
+    table.add(case="a", ratio=1.234)
+    json_path, _ = table.write(tmp_path, "speed")
+    data = json.loads(json_path.read_text())
+    assert data["command"] == "python packages/x/benchmarks/speed.py --out results"
+    data["environment"]["cpu_model"] = "Another CPU"
+    rendered = bench.render_result(data)
+    assert "| a | 1.23 |" in rendered
+    assert "Command: `python packages/x/benchmarks/speed.py --out results`" in rendered
+    machine = rendered.rstrip().splitlines()[-1]
+    assert machine.startswith("Machine: ") and "Another CPU" in machine

@@ -15,7 +15,9 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -303,6 +305,28 @@ def machine_line(info: dict[str, Any] | None = None) -> str:
     return "Machine: " + "; ".join(parts)
 
 
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that is running, as a user would retype it from the same folder.
+
+    The script path is kept as given (relative when the caller ran it so), never resolved, so
+    the line names no folder of the machine that ran it.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    return "python " + shlex.join(argv)
+
+
+def render_result(data: dict[str, Any]) -> str:
+    """Markdown for a result written by :meth:`BenchTable.write`: its table, then the command
+    and the machine it came from (read from the file, not from the machine rendering it)."""
+    table = BenchTable(data["title"], data["columns"], data.get("metadata"))
+    table.rows = [dict(row) for row in data["rows"]]
+    lines = table.to_markdown(machine=machine_line(data["environment"])).rstrip("\n").split("\n")
+    if data.get("command"):
+        lines.insert(-1, f"Command: `{data['command']}`")
+        lines.insert(-1, "")
+    return "\n".join(lines) + "\n"
+
+
 def _format_cell(value: object) -> str:
     if value is None:
         return ""
@@ -334,8 +358,9 @@ class BenchTable:
             raise ValueError(f"unknown columns {unknown}; table columns are {self.columns}")
         self.rows.append(dict(row))
 
-    def to_markdown(self) -> str:
-        """A GitHub-flavoured Markdown table under a heading, numeric columns right-aligned."""
+    def to_markdown(self, machine: str | None = None) -> str:
+        """A GitHub-flavoured Markdown table under a heading, numeric columns right-aligned,
+        followed by the machine line (this machine's unless ``machine`` names another)."""
         lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |"]
         align = []
         for column in self.columns:
@@ -347,13 +372,15 @@ class BenchTable:
         lines.append("| " + " | ".join(align) + " |")
         for row in self.rows:
             lines.append("| " + " | ".join(_format_cell(row.get(c)) for c in self.columns) + " |")
-        lines += ["", machine_line()]
+        lines += ["", machine_line() if machine is None else machine]
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, Any]:
-        """Title, metadata (e.g. the benchmark's settings), columns, rows, environment."""
+        """Title, the command that ran, metadata (e.g. the benchmark's settings), columns, rows,
+        environment."""
         return {
             "title": self.title,
+            "command": command_line(),
             "metadata": self.metadata,
             "columns": list(self.columns),
             "rows": [{c: row.get(c) for c in self.columns} for row in self.rows],
