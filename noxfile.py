@@ -275,7 +275,9 @@ def wheels(session: nox.Session) -> None:
         session.run(python, "-c", f"import {member.module}; print({member.module}.__version__)")
         for script in member.scripts:
             session.run(str(venv / "bin" / script), "--help", silent=True)
-        session.run(python, str(ROOT / "tools" / "quickstart.py"), str(member.path / "README.md"))
+        quickstart = ROOT / "tools" / "quickstart.py"
+        readme = member.path / "README.md"
+        session.run(python, str(quickstart), str(readme), "--find-links", str(out))
 
 
 @nox.session(python=MAIN_PYTHON)

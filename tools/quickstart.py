@@ -1,9 +1,10 @@
 """Run the ``## Quick start`` section of a package README, as a user who just installed it would.
 
-Usage: ``python tools/quickstart.py packages/<member>/README.md``, with the Python of the
-environment that holds the installed wheel. Each fenced ``python`` block runs with that Python;
-each line of a fenced ``bash`` block runs in bash with that environment's ``bin`` first on
-``PATH``. Everything runs in one fresh temporary folder (so files one step writes are there for
+Usage: ``python tools/quickstart.py packages/<member>/README.md [--find-links DIR]``, with the
+Python of the environment that holds the installed wheel. Each fenced ``python`` block runs with
+that Python; each line of a fenced ``bash`` block runs in bash with that environment's ``bin``
+first on ``PATH``. A ``pip install`` line (an extra, say) runs with that Python's pip and the
+wheels of ``--find-links`` beside the package index, so the workspace's own wheels are found. Everything runs in one fresh temporary folder (so files one step writes are there for
 the next), and the first failing step stops the run with its exit code. Uses only the standard
 library: it runs in environments that hold nothing but the wheel under test.
 """
@@ -11,7 +12,9 @@ library: it runs in environments that hold nothing but the wheel under test.
 from __future__ import annotations
 
 import os
+import argparse
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -32,9 +35,21 @@ def quick_start_blocks(readme: str) -> list[tuple[str, str]]:
     return runnable
 
 
+def _pip_install(line: str, find_links: str | None) -> list[str] | None:
+    """``pip install ...`` as this environment's pip, with the local wheels; else None."""
+    words = shlex.split(line)
+    if words[:2] != ["pip", "install"]:
+        return None
+    links = ["--find-links", find_links] if find_links else []
+    return [sys.executable, "-m", "pip", "install", "--quiet", *links, *words[2:]]
+
+
 def main() -> int:
-    (readme_path,) = sys.argv[1:]
-    blocks = quick_start_blocks(Path(readme_path).read_text())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("readme", type=Path)
+    parser.add_argument("--find-links", help="folder of locally built wheels")
+    args = parser.parse_args()
+    blocks = quick_start_blocks(args.readme.read_text())
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     with tempfile.TemporaryDirectory(prefix="quickstart-") as work:
@@ -43,9 +58,12 @@ def main() -> int:
                 steps = [[sys.executable, "-c", code]]
             else:
                 lines = [line for line in code.splitlines() if line.strip()]
-                steps = [["bash", "-euo", "pipefail", "-c", line] for line in lines]
+                steps = [
+                    _pip_install(line, args.find_links) or ["bash", "-euo", "pipefail", "-c", line]
+                    for line in lines
+                ]
             for step in steps:
-                shown = step[-1] if language == "bash" else "<python block>"
+                shown = "<python block>" if language == "python" else shlex.join(step)
                 print(f"quickstart: {shown}", flush=True)
                 done = subprocess.run(step, cwd=work, env=env, check=False)
                 if done.returncode != 0:
