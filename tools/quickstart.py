@@ -4,9 +4,10 @@ Usage: ``python tools/quickstart.py packages/<member>/README.md [--find-links DI
 Python of the environment that holds the installed wheel. Each fenced ``python`` block runs with
 that Python; each line of a fenced ``bash`` block runs in bash with that environment's ``bin``
 first on ``PATH``. A ``pip install`` line (an extra, say) runs with that Python's pip and the
-wheels of ``--find-links`` beside the package index, so the workspace's own wheels are found. Everything runs in one fresh
-temporary folder (so files one step writes are there for the next), and the first failing step stops the run with its exit code. Uses only the standard
-library: it runs in environments that hold nothing but the wheel under test.
+wheels of ``--find-links`` beside the package index, so the workspace's own wheels are found.
+Everything runs in one fresh temporary folder (so files one step writes are there for the next),
+and the first failing step stops the run with its exit code. Uses only the standard library: it
+runs in environments that hold nothing but the wheel under test.
 """
 
 from __future__ import annotations
