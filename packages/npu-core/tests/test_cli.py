@@ -11,7 +11,7 @@ import typer
 from pydantic import Field
 from typer.testing import CliRunner
 
-from npu_core.cli import config_options, fail, run_app
+from npu_core.cli import HelpGroup, config_options, fail, prose, run_app
 from npu_core.config import StrictConfig
 
 
@@ -265,3 +265,58 @@ def test_run_app_passes_exit_codes_through(capsys):
     assert exited.value.code == 2 and capsys.readouterr().err == "error: two is refused\n"
     with pytest.raises(RuntimeError, match="a bug"):  # a bug is a traceback, not a usage error
         run_app(app, ["crash"])
+
+
+def test_prose_joins_the_lines_of_a_paragraph_and_keeps_layout():
+    doc = """First line
+        goes on.
+
+        A paragraph wrapped
+        for the source, with
+        --an-option at a line start.
+
+        \b
+        kept
+          as written
+
+        Modes:
+        - fast: quick
+        - exact: careful
+          and slow
+        \f
+        Args:
+            hidden: from --help.
+        """
+    assert prose(doc) == (
+        "First line goes on.\n\n"
+        "A paragraph wrapped for the source, with --an-option at a line start.\n\n"
+        "\b\nkept\n  as written\n\n"
+        "Modes:\n- fast: quick\n- exact: careful\n  and slow\n"
+        "\f\nArgs:\n    hidden: from --help."
+    )
+    assert prose(prose(doc)) == prose(doc)
+    assert prose(None) is None
+
+
+def test_help_group_gives_every_command_prose_help():
+    app = typer.Typer(cls=HelpGroup)
+
+    @app.callback()
+    def _root() -> None:
+        """Root help
+        on two lines."""
+
+    @app.command()
+    def go() -> None:
+        """Go somewhere.
+
+        A sentence wrapped
+        in the source.
+        """
+
+    group = typer.main.get_command(app)
+    assert isinstance(group, HelpGroup)
+    assert group.help == "Root help on two lines."
+    assert group.commands["go"].help == "Go somewhere.\n\nA sentence wrapped in the source."
+    result = CliRunner().invoke(app, ["go", "--help"], env={"COLUMNS": "120"})
+    assert "A sentence wrapped in the source." in result.output

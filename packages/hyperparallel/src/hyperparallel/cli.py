@@ -12,10 +12,11 @@ from hyperparallel.train import job
 from hyperparallel.train.checkpoint import CheckpointError
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.presets import PRESETS
-from npu_core.cli import config_options, run_app
+from npu_core.cli import HelpGroup, config_options, run_app
 from npu_core.config import ConfigError
 
 app = typer.Typer(
+    cls=HelpGroup,
     help="Parallel training for PyTorch: distributed Muon, FSDP2/HSDP, expert and pipeline "
     "parallelism.",
     no_args_is_help=True,

@@ -14,10 +14,12 @@ from typing import Annotated
 import typer
 
 from liteboost.generate import GenerateOptions
-from npu_core.cli import config_options, fail, run_app
+from npu_core.cli import HelpGroup, config_options, fail, run_app
 
 app = typer.Typer(
-    help="Inference boost for diffusers video models (Wan2.1 / Wan2.2).", no_args_is_help=True
+    cls=HelpGroup,
+    help="Inference boost for diffusers video models (Wan2.1 / Wan2.2).",
+    no_args_is_help=True,
 )
 
 

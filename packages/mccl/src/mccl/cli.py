@@ -8,10 +8,11 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 from mccl.bench import StartupBenchConfig, measure_startup, results_table
-from npu_core.cli import config_options, fail, run_app
+from npu_core.cli import HelpGroup, config_options, fail, run_app
 from npu_core.config import ConfigError
 
 app = typer.Typer(
+    cls=HelpGroup,
     help="Asynchronous initialisation of torch.distributed process groups.",
     no_args_is_help=True,
     add_completion=False,

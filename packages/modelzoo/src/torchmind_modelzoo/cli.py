@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from npu_core.cli import config_options, run_app
+from npu_core.cli import HelpGroup, config_options, run_app
 from torchmind_modelzoo import registry
 from torchmind_modelzoo.checks import InputError, check_card_file, check_source
 from torchmind_modelzoo.options import ConvertOptions, RunOptions, TrainOptions
@@ -27,6 +27,7 @@ from torchmind_modelzoo.table import render_markdown, update_readme
 from torchmind_modelzoo.validate import CardError
 
 app = typer.Typer(
+    cls=HelpGroup,
     help="Model cards for 100 current models; convert and run the 'full' ones.\n\n"
     "Start with `modelzoo list --status full`, then `modelzoo run qwen3-0.6b --tiny` (random "
     "weights, offline) or `--path DIR` for weights you downloaded. Nothing is ever fetched.",

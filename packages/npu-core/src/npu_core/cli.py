@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import re
 import sys
 import types
 import typing
@@ -32,6 +33,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
+from typer.core import TyperGroup
 
 from npu_core.config import ConfigError, StrictConfig, layer_tree, set_dotted
 
@@ -48,6 +50,68 @@ _SET_ITEMS = "set_items_"
 
 BaseFactory = Callable[[dict[str, Any]], StrictConfig | None]
 """Picks the starting configuration from the command's own arguments (e.g. a preset name)."""
+
+
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+_KEPT_LINE = re.compile(r"[ \t]|[-*•] |\d+[.)] ")
+"""A line that keeps its newline: indented (an example) or a list item."""
+
+
+def prose(text: str | None) -> str | None:
+    """Help text with each paragraph joined into one line, for rich to wrap to the terminal.
+
+    Docstrings are wrapped at the source's line length; typer's rich help keeps such a single
+    newline as a hard break and wraps again at the terminal's width on top of it, which cuts
+    sentences ("... optionally weights and" / "tokenizer files) ..."). Joining the lines of a
+    paragraph leaves the wrapping to rich, while what is meant as layout stays: blank lines
+    between paragraphs, a paragraph that starts with ``\\b`` (click's mark for lines kept as
+    written), list items and indented lines (examples), and everything after ``\\f`` (click
+    shows none of it). The text is dedented first, as typer does.
+
+    Args:
+        text: a command's help (its docstring or ``help=``); None stays None.
+
+    Returns:
+        The same paragraphs, each a single line except for the kept breaks above.
+    """
+    if text is None:
+        return None
+    head, cut, tail = inspect.cleandoc(text).partition("\f")
+    body = head.rstrip()
+    paragraphs = []
+    for paragraph in _PARAGRAPH_BREAK.split(body):
+        if paragraph.startswith("\b"):
+            paragraphs.append(paragraph)
+            continue
+        first, *rest = paragraph.split("\n")
+        joined = [first]
+        for line in rest:
+            if _KEPT_LINE.match(line):
+                joined.append(line)
+            else:
+                joined[-1] = f"{joined[-1].rstrip()} {line.strip()}"
+        paragraphs.append("\n".join(joined))
+    return "\n\n".join(paragraphs) + head[len(body) :] + cut + tail
+
+
+class HelpGroup(TyperGroup):
+    """typer's group whose help, and that of every command under it, is :func:`prose`.
+
+    Every app of the workspace passes it as ``typer.Typer(cls=HelpGroup)``, so that the
+    docstrings can stay wrapped for the source while ``--help`` wraps them for the terminal.
+    typer builds the commands before their group, so the group rewrites them all here, nested
+    groups included; an app of a single command without a callback is no group and misses it.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _prose_help(self)
+
+
+def _prose_help(command: Any) -> None:
+    command.help = prose(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        _prose_help(sub)
 
 
 def fail(message: str) -> NoReturn:
