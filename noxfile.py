@@ -255,20 +255,25 @@ def wheels(session: nox.Session) -> None:
     environment gets that one wheel with plain ``pip`` (siblings it declares from the same
     folder, everything else from the package index), imports it, runs each of its CLIs with
     ``--help`` and runs its README quick start (``tools/quickstart.py``). A file missing from a
-    wheel, an undeclared import or a wrong floor fails here.
+    wheel, an undeclared import or a wrong requirement fails here.
+
+    torch is the one exception: with its CUDA libraries it is about 5 GB, which pip would unpack
+    six times (about 10 of CI's minutes on two cores). pip installs it once into
+    ``build/venvs/torch``, and each member's environment sees that environment's site-packages
+    through a ``.pth`` line, so pip finds torch installed and checks it against the member's
+    requirement like any other installed distribution.
     """
     out = ROOT / "build" / "wheels"
     shutil.rmtree(out, ignore_errors=True)
     session.run("uv", "build", "--all-packages", "--wheel", "--out-dir", str(out))
     venvs = ROOT / "build" / "venvs"
-    selected = session.posargs or list(MEMBERS)
-    for folder in selected:
+    torch_site = _pip_venv(session, venvs / "torch")
+    session.run(str(venvs / "torch" / "bin" / "python"), "-m", "pip", "install", "--quiet", "torch")
+    for folder in session.posargs or list(MEMBERS):
         member = MEMBERS[folder]
         (wheel,) = out.glob(f"{member.distribution.replace('-', '_')}-*.whl")
         venv = venvs / folder
-        shutil.rmtree(venv, ignore_errors=True)
-        base = getattr(sys, "_base_executable", sys.executable)
-        session.run(base, "-m", "venv", str(venv))
+        (_pip_venv(session, venv) / "shared-torch.pth").write_text(f"{torch_site}\n")
         python = str(venv / "bin" / "python")
         session.log(f"{member.distribution}: pip install {wheel.name}")
         session.run(python, "-m", "pip", "install", "--quiet", "--find-links", str(out), str(wheel))
@@ -278,6 +283,16 @@ def wheels(session: nox.Session) -> None:
         quickstart = ROOT / "tools" / "quickstart.py"
         readme = member.path / "README.md"
         session.run(python, str(quickstart), str(readme), "--find-links", str(out))
+
+
+def _pip_venv(session: nox.Session, venv: Path) -> Path:
+    """A new virtual environment with pip (the standard library's ``venv``); its site-packages."""
+    shutil.rmtree(venv, ignore_errors=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    session.run(base, "-m", "venv", str(venv))
+    python = venv / "bin" / "python"
+    code = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    return Path(session.run(str(python), "-c", code, silent=True).strip())
 
 
 @nox.session(python=MAIN_PYTHON)

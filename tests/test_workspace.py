@@ -106,7 +106,7 @@ def test_package_imports_only_declared_siblings(package):
 
 
 def test_no_module_imports_torch_npu_at_top_level():
-    """torch_npu is optional: only npu_core._npu may import it, and only lazily."""
+    """torch_npu is optional: only npu_core.npu may import it, and only lazily."""
     offenders = [
         str(path.relative_to(ROOT))
         for path in ROOT.glob("packages/*/src/**/*.py")

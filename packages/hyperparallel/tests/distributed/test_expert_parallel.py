@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyperparallel.models.moe import MoEConfig, MoEFeedForward
-from hyperparallel.parallel.dims import parse_mesh
 from hyperparallel.parallel.expert import apply_expert_parallel
+from hyperparallel.parallel.mesh import parse_mesh
 from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed

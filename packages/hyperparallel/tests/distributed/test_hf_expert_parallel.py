@@ -17,8 +17,8 @@ from hyperparallel.models.families import FamilyPlan
 from hyperparallel.models.hf import CausalLM
 from hyperparallel.models.parallelize import apply_fsdp
 from hyperparallel.optim.hybrid import get_hyper_optimizer
-from hyperparallel.parallel.dims import parse_mesh
 from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel, expert_modules
+from hyperparallel.parallel.mesh import parse_mesh
 from npu_core.dist import launch
 from packages.hyperparallel.tests.tiny_hf import FAMILIES, MORE_MOE_FAMILIES
 

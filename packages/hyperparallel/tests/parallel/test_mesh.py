@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hyperparallel.parallel.dims import ParallelDims, parse_mesh
 from hyperparallel.parallel.layout import check_layout, local_batch_size
+from hyperparallel.parallel.mesh import ParallelDims, parse_mesh
 from hyperparallel.parallel.pipeline import split_layers, stage_holder, stage_ids
 from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
@@ -56,11 +56,11 @@ def test_bad_mesh_is_refused_naming_the_dimension(mesh, message):
 
 
 def test_stage_placement_loop_and_v():
-    """Looped stages for interleaved schedules, a V for dualpipev/zbv; the holder inverts it."""
+    """Looped stages for interleaved schedules, a V for dualpipev; the holder inverts it."""
     assert stage_ids("1f1b", 2, 1, 1) == [1]
     assert stage_ids("interleaved_1f1b", 2, 0, 2) == [0, 2]
     assert stage_ids("dualpipev", 2, 0, 2) == [0, 3]
-    assert stage_ids("zbv", 2, 1, 2) == [1, 2]
+    assert stage_ids("dualpipev", 2, 1, 2) == [1, 2]
     for name in ("interleaved_1f1b", "dualpipev"):
         for rank in range(2):
             for stage in stage_ids(name, 2, rank, 2):

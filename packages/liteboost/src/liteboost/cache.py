@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from diffusers.hooks.hooks import BaseState, StateManager
 
+from liteboost.models.wan_state import find_transformer_state, transformer_state
+
 if TYPE_CHECKING:
     from liteboost.parallel.sequence import SequenceParallel
 
@@ -150,8 +152,8 @@ def sequence_parallel_of(model: torch.nn.Module) -> SequenceParallel | None:
     """The model's liteboost sequence-parallel exchange, None when it runs on one rank."""
     from liteboost.parallel.sequence import SequenceParallel
 
-    state = getattr(model, "_liteboost_state", None)
-    sp = getattr(getattr(state, "settings", None), "ulysses", None)
+    state = find_transformer_state(model)
+    sp = state.settings.ulysses if state is not None else None
     return sp if isinstance(sp, SequenceParallel) else None
 
 
@@ -183,9 +185,7 @@ def _group_wide_first_block_decision(
         previous = state.head_block_residual
         if previous is None:
             return True
-        from liteboost.models.wan import _state
-
-        context = _state(model).context
+        context = transformer_state(model).context
         real = min(max(context.seq_len - sp.rank * context.shard_len, 0), residual.shape[1])
         sums = torch.stack(
             [

@@ -14,7 +14,7 @@ from typing import TypeVar
 import torch
 
 from npu_core import env
-from npu_core._npu import import_torch_npu, npu_device_count
+from npu_core.npu import import_torch_npu, npu_device_count
 
 
 class Backend(enum.StrEnum):

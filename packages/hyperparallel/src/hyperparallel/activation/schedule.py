@@ -21,7 +21,6 @@ from typing import ClassVar
 from hyperparallel.activation.observers import (
     ObservedRegion,
     RegionStats,
-    innermost,
     pop_observer,
     push_observer,
 )
@@ -135,8 +134,3 @@ class RecomputeSession:
     def release(self, key: Hashable = None) -> None:
         """Forget ``key``'s handles (after its backward)."""
         self._handles.pop(key, None)
-
-
-def current_session() -> RecomputeSession | None:
-    """The :class:`RecomputeSession` active in this context, if any."""
-    return innermost(RecomputeSession)

@@ -22,7 +22,6 @@ import torch
 
 from hyperparallel.activation.observers import (
     ObservedRegion,
-    innermost,
     pop_observer,
     push_observer,
 )
@@ -233,8 +232,3 @@ class SwapSchedule:
     def needs_backward_hook(self) -> bool:
         """Whether regions must report when backward reaches them."""
         return self.prefetch_ahead > 0 or self.recompute_ahead > 0
-
-
-def current_schedule() -> SwapSchedule | None:
-    """The :class:`SwapSchedule` active in this context, if any."""
-    return innermost(SwapSchedule)

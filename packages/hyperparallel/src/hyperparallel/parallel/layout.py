@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hyperparallel.parallel.dims import ParallelDims
+from hyperparallel.parallel.mesh import ParallelDims
 from hyperparallel.parallel.pipeline import split_layers, stages_per_rank
 
 if TYPE_CHECKING:

@@ -49,14 +49,14 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     """Stages each rank holds: 1 for 1F1B, 2 for the V schedules, ``virtual_stages`` looped."""
     if schedule == "1f1b":
         return 1
-    if schedule in ("dualpipev", "zbv"):
+    if schedule == "dualpipev":
         return 2
     return virtual_stages
 
 
 def stage_ids(schedule: str, pp: int, pp_rank: int, per_rank: int) -> list[int]:
     """Global stage indices held by ``pp_rank`` (looped for interleaved, V-shaped for V)."""
-    if schedule in ("dualpipev", "zbv"):
+    if schedule == "dualpipev":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(per_rank)]
 
@@ -152,7 +152,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def stage_holder(schedule: str, pp: int, stage: int) -> int:
     """The pipeline rank holding global ``stage`` (inverse of :func:`stage_ids`)."""
-    if schedule in ("dualpipev", "zbv"):
+    if schedule == "dualpipev":
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
 
@@ -264,7 +264,7 @@ def build_pipeline(
         modules.append(module)
         # V schedules split each backward into input (I) and weight (W) actions; the split
         # path's weight gradients are wrong here, so the I action runs the whole backward.
-        v_shape = schedule in ("dualpipev", "zbv")
+        v_shape = schedule == "dualpipev"
         stages.append(
             PipelineStage(
                 module,

@@ -5,8 +5,8 @@
 again, cheaply, in every rank): the architecture must have a parallelize plan
 (:mod:`hyperparallel.models.families`), ``data.seq_len`` must fit ``max_position_embeddings``,
 the mesh must be one this job supports. :func:`build` then makes the same
-:class:`~hyperparallel.train.model.ParallelModel` the built-in MoE gets, so the loop, metrics,
-plot and DCP checkpoints are shared.
+:class:`~hyperparallel.train.parallel_model.ParallelModel` the built-in MoE gets, so the loop,
+metrics, plot and DCP checkpoints are shared.
 
 Layouts: ``dp_replicate x dp_shard`` (FSDP2 / HSDP, one unit per decoder block), and for MoE
 families ``ep`` as well: the routed experts are placed on the expert mesh and their tokens moved
@@ -29,13 +29,12 @@ from hyperparallel.data.tokens import encode, load_text
 from hyperparallel.models.families import FamilyPlan, UnknownArchitectureError, plan_for
 from hyperparallel.models.hf import build_causal_lm
 from hyperparallel.models.parallelize import apply_activation_memory, apply_fsdp
-from hyperparallel.parallel.dims import ParallelDims
 from hyperparallel.parallel.expert import check_divisible
 from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel
 from hyperparallel.parallel.layout import check_layout
-from hyperparallel.parallel.mesh import MeshSet
+from hyperparallel.parallel.mesh import MeshSet, ParallelDims
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.model import ParallelModel
+from hyperparallel.train.parallel_model import ParallelModel
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """Files whose presence makes ``hf.load_weights`` default to True."""

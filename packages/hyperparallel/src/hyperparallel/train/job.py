@@ -14,8 +14,8 @@ from pathlib import Path
 
 from hyperparallel import env
 from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
-from hyperparallel.parallel.dims import parse_mesh
 from hyperparallel.parallel.layout import check_layout
+from hyperparallel.parallel.mesh import parse_mesh
 from hyperparallel.train import hf_model
 from hyperparallel.train.checkpoint import has_checkpoints
 from hyperparallel.train.config import TrainConfig

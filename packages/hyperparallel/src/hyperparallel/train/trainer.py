@@ -22,12 +22,13 @@ from hyperparallel import env
 from hyperparallel.activation import ActivationTracker, SwapSchedule
 from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
 from hyperparallel.optim import get_hyper_optimizer
-from hyperparallel.parallel.dims import parse_mesh
 from hyperparallel.parallel.layout import check_layout
+from hyperparallel.parallel.mesh import parse_mesh
 from hyperparallel.train import checkpoint, hf_model
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.metrics import MetricsLog
-from hyperparallel.train.model import ParallelModel, build_model
+from hyperparallel.train.model import build_model
+from hyperparallel.train.parallel_model import ParallelModel
 from hyperparallel.train.profiling import StepProfiler
 from npu_core.device import comm_backend, detect_backend, device_for_rank, device_module
 

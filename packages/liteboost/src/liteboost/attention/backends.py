@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from liteboost import env
-from npu_core._npu import import_torch_npu
+from npu_core.npu import import_torch_npu
 from npu_core.plugins import DeviceDtype, Plugin, Registry
 
 logger = logging.getLogger(__name__)

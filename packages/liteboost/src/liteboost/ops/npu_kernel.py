@@ -1,7 +1,7 @@
 """The Ascend NPU block-sparse kernel: torch_npu's ``npu_rain_fusion_attention``.
 
 The only liteboost module that calls torch_npu's sparse op; torch_npu itself is imported lazily
-through ``npu_core._npu``, so importing this module touches no device.
+through ``npu_core.npu``, so importing this module touches no device.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from liteboost.ops.blocks import BlockSize, block_shape
-from npu_core._npu import import_torch_npu
+from npu_core.npu import import_torch_npu
 
 
 @functools.cache

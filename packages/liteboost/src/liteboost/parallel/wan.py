@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,16 +41,12 @@ from diffusers.hooks.hooks import BaseState, StateManager
 from liteboost.attention.context import ForwardContext
 from liteboost.attention.processor import AttentionSettings, BoostedWanAttnProcessor
 from liteboost.cache import composes_with_sequence_parallel
-from liteboost.models.wan import (
-    _attach,
-    _detach,
-    _grid_hook,
-    _state,
-    _UlyssesBlockHook,
-)
+from liteboost.models.wan_state import attach, detach, grid_hook, transformer_state
 from liteboost.ops import tiling
 from liteboost.ops.blocks import block_shape
+from liteboost.ops.rope import RopeTables
 from liteboost.parallel.sequence import SequenceParallel
+from liteboost.parallel.ulysses import TokenShards
 
 if TYPE_CHECKING:
     from liteboost.parallel.manager import ParallelConfig
@@ -59,6 +56,90 @@ _SHARD_HOOK = "liteboost.sp_shard"
 _GATHER_HOOK = "liteboost.sp_gather"
 _BLOCK_HOOK = "liteboost.ulysses"
 BRANCHES = ("cond", "uncond")
+
+
+def _reorder_rotary(rotary: Any, layout: tiling.TileLayout) -> Any:
+    """RoPE rows in tile order (the tokens' order under block-sparse ring attention)."""
+    if isinstance(rotary, RopeTables):
+        return RopeTables(
+            tiling.reorder(rotary[0], layout, seq_dim=1),
+            tiling.reorder(rotary[1], layout, seq_dim=1),
+            tiling.reorder(rotary.pair_cos, layout, seq_dim=0),
+            tiling.reorder(rotary.pair_sin, layout, seq_dim=0),
+        )
+    return tuple(tiling.reorder(t, layout, seq_dim=1) for t in rotary)
+
+
+def _pad_rotary(rotary: Any, total: int) -> Any:
+    if isinstance(rotary, RopeTables):
+        return rotary.padded(total)
+    cos, sin = rotary[0], rotary[1]
+    if cos.shape[1] >= total:
+        return rotary
+    extra = total - cos.shape[1]
+    cos = torch.cat([cos, cos.new_zeros(1, extra, *cos.shape[2:])], dim=1)
+    sin = torch.cat([sin, sin.new_zeros(1, extra, *sin.shape[2:])], dim=1)
+    return (cos, sin)
+
+
+class UlyssesBlockHook(ModelHook):
+    """Shards a block's inputs along the sequence; the first block also shards hidden states."""
+
+    def __init__(
+        self, context: ForwardContext, exchange: TokenShards, first: bool, last: bool
+    ) -> None:
+        super().__init__()
+        self.context, self.exchange, self.first, self.last = context, exchange, first, last
+
+    def _local(self, name: str, source: Any, cut: Callable[[Any], Any]) -> Any:
+        # Every block gets the same per-token inputs: cut them once per forward.
+        cached = self.context.local.get(name)
+        if cached is not None and cached[0] is source:
+            return cached[1]
+        local = cut(source)
+        self.context.local[name] = (source, local)
+        return local
+
+    def _local_temb(self, temb: torch.Tensor) -> torch.Tensor:
+        order = self.context.token_order
+        if order is not None:
+            temb = tiling.reorder(temb, order, seq_dim=1)
+        return self.exchange.shard(temb, self.context.shard_len)
+
+    def _local_rotary(self, rotary: Any) -> Any:
+        ctx, ex = self.context, self.exchange
+        if ctx.token_order is not None:
+            rotary = _reorder_rotary(rotary, ctx.token_order)
+        rotary = _pad_rotary(rotary, ctx.shard_len * ex.degree)
+        start = ex.rank * ctx.shard_len
+        if isinstance(rotary, RopeTables):
+            return rotary.narrow(start, ctx.shard_len)
+        return tuple(t.narrow(1, start, ctx.shard_len) for t in rotary)
+
+    def pre_forward(
+        self,
+        module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: Any,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ctx, ex = self.context, self.exchange
+        if self.first:
+            if ctx.token_order is not None:
+                hidden_states = tiling.reorder(hidden_states, ctx.token_order, seq_dim=1)
+            hidden_states = ex.shard(hidden_states, ctx.shard_len)
+        if temb.ndim == 4:  # Wan2.2 TI2V: one modulation per token
+            temb = self._local("temb", temb, self._local_temb)
+        rotary = self._local("rotary", rotary_emb, self._local_rotary)
+        return (hidden_states, encoder_hidden_states, temb, rotary), {}
+
+    def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+        if self.last:
+            output = self.exchange.gather(output, self.context.seq_len)
+            if self.context.token_order is not None:
+                output = tiling.restore(output, self.context.token_order, seq_dim=1)
+        return output
 
 
 class HybridWanAttnProcessor(BoostedWanAttnProcessor):
@@ -228,7 +309,7 @@ class WanParallelHandle:
             HookRegistry.check_if_exists_or_initialize(model).remove_hook(_CFG_HOOK, recurse=False)
         if not self.sequence:
             return
-        state = _state(model)
+        state = transformer_state(model)
         state.settings.ulysses = None
         for block in model.blocks:
             registry = HookRegistry.check_if_exists_or_initialize(block)
@@ -239,12 +320,12 @@ class WanParallelHandle:
         HookRegistry.check_if_exists_or_initialize(model.norm_out).remove_hook(
             _GATHER_HOOK, recurse=False
         )
-        grid_hook = _grid_hook(model)
-        grid_hook.world, grid_hook.on_grid = 1, None
+        grid = grid_hook(model)
+        grid.world, grid.on_grid = 1, None
         if state.users - {"parallel"}:
             # Others (the boost) still use the processors: back to the single-device one.
             model.set_attn_processor(BoostedWanAttnProcessor(state.settings, state.context))
-        _detach(model, "parallel")
+        detach(model, "parallel")
 
 
 def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHandle | None:
@@ -280,12 +361,12 @@ def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHa
             model.config.num_attention_heads,
             config.pad_heads,
         )
-        state = _attach(model, "parallel")
+        state = attach(model, "parallel")
         state.settings.ulysses = sp
         model.set_attn_processor(HybridWanAttnProcessor(state.settings, state.context))
-        grid_hook = _grid_hook(model)
-        grid_hook.world = sp.degree
-        grid_hook.on_grid = functools.partial(_sparse_ring_order, state.settings, sp)
+        grid = grid_hook(model)
+        grid.world = sp.degree
+        grid.on_grid = functools.partial(_sparse_ring_order, state.settings, sp)
         HookRegistry.check_if_exists_or_initialize(model.patch_embedding).register_hook(
             _ShardTokensHook(state.context, sp), _SHARD_HOOK
         )
@@ -293,7 +374,7 @@ def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHa
             _GatherTokensHook(state.context, sp), _GATHER_HOOK
         )
         for block in model.blocks:
-            hook = _UlyssesBlockHook(state.context, sp, first=False, last=False)
+            hook = UlyssesBlockHook(state.context, sp, first=False, last=False)
             HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, _BLOCK_HOOK)
     if cfg:
         out_channels = model.config.out_channels or model.config.in_channels

@@ -23,7 +23,6 @@ of 3, for peak memory that no longer grows with ``tokens x vocab``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -38,16 +37,20 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mfusion.config import MFusionConfig
 from mfusion.joint import chunked_ce_ops
-from mfusion.passes._graph import CONVERT, aten, fake_mode_of, int_list, is_op, tensor_val
+from mfusion.passes._graph import (
+    CONVERT,
+    aten,
+    fake_mode_of,
+    int_list,
+    is_op,
+    op_counts,
+    tensor_val,
+)
 from mfusion.passes.base import Refusal
 from mfusion.report import Decision, GraphReport, new_graph_report
 
 NAME = "chunked_cross_entropy"
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
-
-
-def _op_counter(graph: fx.Graph) -> collections.Counter[str]:
-    return collections.Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
 
 
 def chunk_rows(vocab: int, chunk_bytes: int) -> int:
@@ -406,7 +409,7 @@ class ChunkedCrossEntropyPass(CustomGraphPass):
 
     def run(self, graph: fx.Graph) -> GraphReport:
         record = new_graph_report("joint")
-        record.ops_before = _op_counter(graph)
+        record.ops_before = op_counts(graph)
         budget = self.config.chunked_cross_entropy_bytes
         for node in list(graph.nodes):
             if node.graph is not graph or not is_op(node, aten.amax.default):
@@ -418,7 +421,7 @@ class ChunkedCrossEntropyPass(CustomGraphPass):
                 continue
             if found is not None:
                 record.decisions.append(Decision(NAME, node.name, True, rewrite(found, budget)))
-        record.ops_after = _op_counter(graph)
+        record.ops_after = op_counts(graph)
         return record
 
     def uuid(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import operator
@@ -102,12 +103,6 @@ def square_base(node: object) -> fx.Node | None:
     return None
 
 
-def scalar_operand(node: fx.Node, tensor: fx.Node) -> object:
-    """For a binary op with ``tensor`` as one operand, the other operand (number or node)."""
-    a, b = node.args[0], node.args[1]
-    return b if a is tensor else a
-
-
 def other_operand(node: fx.Node, known: object) -> object | None:
     """The operand of a commutative binary op that is not ``known``; None if absent."""
     a, b = node.args[0], node.args[1]
@@ -166,14 +161,9 @@ def live_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
             yield node
 
 
-def op_counts(graph: fx.Graph) -> dict[str, int]:
-    """How many times each op overload is called in ``graph`` (the pass tests' currency)."""
-    counts: dict[str, int] = {}
-    for node in graph.nodes:
-        if node.op == "call_function":
-            name = str(node.target)
-            counts[name] = counts.get(name, 0) + 1
-    return counts
+def op_counts(graph: fx.Graph) -> collections.Counter[str]:
+    """How many times each op overload is called in ``graph`` (a report's before and after)."""
+    return collections.Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
 
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})

@@ -3,7 +3,6 @@ automatic fusion, then cleanup, and hashes everything that decides its output in
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import importlib
@@ -14,6 +13,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
 from mfusion.config import MFusionConfig
+from mfusion.passes._graph import op_counts
 from mfusion.passes.base import MFusionPass, PassContext
 from mfusion.passes.cleanup import cleanup
 from mfusion.passes.registry import PASS_REGISTRY
@@ -50,10 +50,6 @@ def build_pass(name: str) -> MFusionPass:
     return graph_pass
 
 
-def _op_counter(graph: fx.Graph) -> collections.Counter[str]:
-    return collections.Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
-
-
 class MFusionPassManager(CustomInferenceAwareGraphPass):
     """Runs mfusion on each post-grad graph Inductor compiles.
 
@@ -84,7 +80,7 @@ class MFusionPassManager(CustomInferenceAwareGraphPass):
         config = self.config.model_copy(update={"machine": machine})
         record = new_graph_report(backend.value)
         record.machine = machine.describe()
-        record.ops_before = _op_counter(graph)
+        record.ops_before = op_counts(graph)
         ctx = PassContext(config, record, is_inference)
         for graph_pass in self.passes:
             start = time.perf_counter()
@@ -98,7 +94,7 @@ class MFusionPassManager(CustomInferenceAwareGraphPass):
             auto_fuse(graph, config, record)
             record.pass_seconds["auto_fuse"] = time.perf_counter() - start
         cleanup(graph)
-        record.ops_after = _op_counter(graph)
+        record.ops_after = op_counts(graph)
         return record
 
     def uuid(self) -> str:
