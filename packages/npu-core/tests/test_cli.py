@@ -320,3 +320,17 @@ def test_help_group_gives_every_command_prose_help():
     assert group.commands["go"].help == "Go somewhere.\n\nA sentence wrapped in the source."
     result = CliRunner().invoke(app, ["go", "--help"], env={"COLUMNS": "120"})
     assert "A sentence wrapped in the source." in result.output
+
+
+@pytest.mark.parametrize(("rank", "printed"), [(None, True), ("0", True), ("1", False)])
+def test_fail_prints_one_line_on_rank_zero_only(monkeypatch, capsys, rank, printed):
+    """Every rank of a torchrun launch refuses the same command line; only rank 0 says so."""
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    with pytest.raises(typer.Exit) as exited:
+        fail("--steps 0 must be at least 1", code=1)
+    assert exited.value.exit_code == 1
+    expected = "error: --steps 0 must be at least 1\n" if printed else ""
+    assert capsys.readouterr().err == expected

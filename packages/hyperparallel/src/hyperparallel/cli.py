@@ -12,7 +12,7 @@ from hyperparallel.train import job
 from hyperparallel.train.checkpoint import CheckpointError
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.presets import PRESETS
-from npu_core.cli import HelpGroup, config_options, run_app
+from npu_core.cli import HelpGroup, config_options, fail, run_app
 from npu_core.config import ConfigError
 
 app = typer.Typer(
@@ -90,11 +90,11 @@ def train(
     try:
         job.prepare(cfg, resume=resume, overwrite=overwrite, warn=_warn)
     except (ValueError, FileNotFoundError) as exc:
-        _refuse(str(exc))
+        fail(str(exc))
     try:
         results = job.start(cfg, resume=resume)
     except CheckpointError as exc:  # a fact about the user's files: one line, not a traceback
-        _refuse(str(exc))
+        fail(str(exc))
     if not env.is_rank_zero():  # under torchrun, rank 0 alone reports
         return
     first = results[0]
@@ -114,13 +114,6 @@ def train(
     console.print(
         f"wrote {cfg.out_dir}/metrics.json, {cfg.out_dir}/loss.png, {cfg.out_dir}/checkpoints"
     )
-
-
-def _refuse(message: str) -> None:
-    """One line on stderr and exit 2: bad input is the user's to fix, a traceback would hide it."""
-    if env.is_rank_zero():
-        typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def _warn(message: str) -> None:

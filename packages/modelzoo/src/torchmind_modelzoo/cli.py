@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from npu_core.cli import HelpGroup, config_options, run_app
+from npu_core.cli import HelpGroup, config_options, fail, run_app
 from torchmind_modelzoo import registry
 from torchmind_modelzoo.checks import InputError, check_card_file, check_source
 from torchmind_modelzoo.options import ConvertOptions, RunOptions, TrainOptions
@@ -43,17 +43,16 @@ class Format(enum.StrEnum):
     MARKDOWN = "markdown"
 
 
-def _fail(exc: Exception) -> typer.Exit:
-    """One line on stderr; exit 2 for input refused before work, 1 for work that failed."""
-    typer.echo(f"error: {exc}", err=True)
-    return typer.Exit(2 if isinstance(exc, InputError) else 1)
+def _exit_code(exc: Exception) -> int:
+    """2 for input refused before any work (:class:`InputError`), 1 for work that failed."""
+    return 2 if isinstance(exc, InputError) else 1
 
 
 def _card(name: str) -> ModelCard:
     try:
         return registry.get(name)
     except KeyError as exc:
-        raise _fail(InputError(str(exc.args[0]))) from None
+        fail(str(exc.args[0]))
 
 
 @app.command("list")
@@ -104,14 +103,13 @@ def validate(
     try:
         paths = [check_card_file(f) for f in files or []]  # all of them, before any is read
     except InputError as exc:
-        raise _fail(exc) from None
+        fail(str(exc), code=_exit_code(exc))
     try:
         cards = registry.list()
         extra = [registry.register(f, replace=True) for f in paths]
         skipped = registry.validate_all([*cards, *extra])
     except CardError as exc:
-        typer.echo(f"invalid card: {exc}", err=True)
-        raise typer.Exit(1) from None
+        fail(f"invalid card: {exc}", code=1)
     reasons = {k: v for k, v in skipped.items() if v}
     checked = len(skipped) - len(reasons)
     console.print(f"{len(skipped)} cards valid; library class checked for {checked}")
@@ -136,13 +134,13 @@ def convert(
 
     card = _card(name)
     if config.out is None:
-        raise _fail(InputError("--out is required: the folder for the artefact and manifest"))
+        fail("--out is required: the folder for the artefact and manifest")
     settings = config.model_dump()
     try:
         with console.status(f"converting {name}"):
             manifest = run_convert(card, settings.pop("out"), **settings)
     except (LibraryMissingError, FileNotFoundError, ValueError) as exc:
-        raise _fail(exc) from None
+        fail(str(exc), code=_exit_code(exc))
     console.print(json.dumps(manifest, indent=2, default=str))
 
 
@@ -185,7 +183,7 @@ def run(
             with console.status(f"running {name}"):
                 result = run_example(card, **kwargs)
     except (LibraryMissingError, FileNotFoundError, ValueError) as exc:
-        raise _fail(exc) from None
+        fail(str(exc), code=_exit_code(exc))
     print(json.dumps(result, indent=2, default=str))
 
 
@@ -214,7 +212,7 @@ def train(
     try:
         result = run_training(card, config, resume=resume, overwrite=overwrite)
     except (LibraryMissingError, InputError) as exc:
-        raise _fail(exc) from None
+        fail(str(exc), code=_exit_code(exc))
     print(json.dumps(result, indent=2, default=str))
 
 

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from typer.core import TyperGroup
 
+from npu_core import env
 from npu_core.config import ConfigError, StrictConfig, layer_tree, set_dotted
 
 try:  # typer 0.2x parses with its own copy of click, whose errors are not click's classes
@@ -114,10 +115,21 @@ def _prose_help(command: Any) -> None:
         _prose_help(sub)
 
 
-def fail(message: str) -> NoReturn:
-    """Print ``error: message`` as one line on stderr and exit with code 2."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(EXIT_USAGE)
+def fail(message: str, *, code: int = EXIT_USAGE) -> NoReturn:
+    """Print ``error: message`` as one line on stderr and exit with ``code``.
+
+    The one way every CLI of the workspace reports a refusal or a failure. Under torchrun each
+    rank runs the same command line and reaches the same refusal, so only rank 0 prints it: the
+    user reads one line, not one per rank.
+
+    Args:
+        message: the cause and, where there is one, the fix (``--out x is a file; ...``).
+        code: the exit status: 2 (the default) for input refused before any work, 1 for work
+            that failed.
+    """
+    if env.launch_rank() == 0:
+        typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
 
 
 def run_app(

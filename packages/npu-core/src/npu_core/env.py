@@ -28,3 +28,12 @@ ONEDNN_MAX_CPU_ISA = "ONEDNN_MAX_CPU_ISA"
 
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 """Read, never set by npu_core: a user's explicit intra-op thread count per process."""
+
+RANK = "RANK"
+"""Read, never set by npu_core: the global rank torchrun (or the local launcher) gives a process."""
+
+
+def launch_rank() -> int:
+    """This process's global rank under a distributed launch, 0 outside one."""
+    value = read(RANK)
+    return int(value) if value is not None and value.isdigit() else 0
