@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from mfusion import env
 from mfusion.machine import MachineProfile
 
 log = logging.getLogger("mfusion.mlir")
@@ -114,7 +115,7 @@ def choice_mode() -> str:
     Raises:
         ValueError: the variable holds something else; names the value and what is allowed.
     """
-    mode = os.environ.get("MFUSION_MLIR_CHOICE", "measure").strip().lower() or "measure"
+    mode = env.mlir_choice()
     if mode not in CHOICES:
         raise ValueError(f"MFUSION_MLIR_CHOICE={mode!r} is not known; use one of {list(CHOICES)}")
     return mode
@@ -123,11 +124,7 @@ def choice_mode() -> str:
 def cache_dir() -> Path:
     """Where decisions are kept: ``$MFUSION_CACHE_DIR/mlir-choice``, else under
     ``$XDG_CACHE_HOME/mfusion`` or ``~/.cache/mfusion``."""
-    root = os.environ.get("MFUSION_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = str(Path(xdg) / "mfusion")
-    return Path(root) / "mlir-choice"
+    return env.cache_root() / "mlir-choice"
 
 
 class DecisionCache:
