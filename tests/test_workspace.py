@@ -134,3 +134,15 @@ def test_readme_results_tables_match_their_result_files():
         if refresh_blocks(p.read_text()) != p.read_text()
     ]
     assert stale == [], "stale results tables; run: uv run python tools/docs_tables.py --write"
+
+
+def test_environment_is_read_only_in_each_package_env_module():
+    """Each package reads and sets environment variables in its ``env.py`` alone, where they are
+    listed with what they do (the README's table comes from there)."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in ROOT.glob("packages/*/src/**/*.py")
+        if path.name != "env.py"
+        and re.search(r"os\.environ|os\.getenv|\bgetenv\(", path.read_text())
+    ]
+    assert offenders == []

@@ -30,7 +30,27 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 """Read, never set by npu_core: a user's explicit intra-op thread count per process."""
 
 RANK = "RANK"
-"""Read, never set by npu_core: the global rank torchrun (or the local launcher) gives a process."""
+"""The global rank torchrun gives a process; the local launcher sets it for the ranks it starts."""
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for each rank; all four present means the rank was started by a launcher."""
+
+
+def torchrun_environment() -> bool:
+    """Whether torchrun (or anything setting its variables) started this process."""
+    return all(name in os.environ for name in TORCHRUN_VARS)
+
+
+def set_rank_environment(address: str, port: int, rank: int, world_size: int) -> None:
+    """Give a locally launched rank the variables torchrun would (single node: local = global)."""
+    os.environ.update(
+        MASTER_ADDR=address,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
 
 
 def launch_rank() -> int:

@@ -9,15 +9,13 @@ from typing import Any
 
 import torch
 
+from npu_core import env
 from npu_core.device import comm_backend
 from npu_core.dist.launch import launch
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def is_torchrun() -> bool:
     """Whether this process is a rank started by torchrun (or anything setting its variables)."""
-    return all(name in os.environ for name in _TORCHRUN_VARS)
+    return env.torchrun_environment()
 
 
 def run(

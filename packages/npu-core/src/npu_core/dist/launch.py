@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from npu_core import env
 from npu_core.capability import threads_per_process
 from npu_core.device import comm_backend
 
@@ -72,14 +73,7 @@ def _rank_main(
     results: Any,
 ) -> None:
     """Entry point of one rank: set torchrun's environment, init, run ``fn``, report back."""
-    os.environ.update(
-        MASTER_ADDR=LOOPBACK,
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    env.set_rank_environment(LOOPBACK, port, rank, world_size)
     torch.set_num_threads(threads_per_process(world_size))
     try:
         if backend is not None:
