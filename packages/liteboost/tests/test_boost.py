@@ -67,13 +67,27 @@ def test_sparse_boost_uses_the_plan_of_the_op(wan_inputs):
     assert not torch.allclose(ref, stock, atol=1e-6), "sparsity 0.5 must skip some blocks"
 
 
-def test_boost_a_pipeline_boosts_its_transformer():
+def test_boost_a_pipeline_boosts_its_transformer(wan_inputs):
+    """Boosting a pipeline swaps its transformer's attention processors for liteboost's (sparse
+    output differs from stock, dense equals it) and remove() restores the stock processors."""
+    from liteboost.attention.processor import BoostedWanAttnProcessor
     from liteboost.tiny import build_tiny_pipeline
 
     pipe = build_tiny_pipeline()
-    manager = liteboost.BoostManager(pipe, sparsity=0.3)
+    model = pipe.transformer
+    inputs = wan_inputs(grid=(3, 8, 9))
+    stock = _run(model, inputs)
+    manager = liteboost.BoostManager(pipe, sparsity=0.5, block_size=16, sparse_kernel="reference")
     assert manager.boosted == ["transformer"]
+    processors = model.attn_processors.values()
+    assert processors and all(isinstance(p, BoostedWanAttnProcessor) for p in processors)
+    sparse = _run(model, inputs)
     manager.remove()
+    assert not torch.allclose(sparse, stock, atol=1e-6), "sparsity 0.5 must change the output"
+    assert all(isinstance(p, WanAttnProcessor) for p in model.attn_processors.values())
+    assert torch.equal(_run(model, inputs), stock), "remove() must restore the stock transformer"
+    with liteboost.BoostManager(pipe, sparsity=0.0):
+        torch.testing.assert_close(_run(model, inputs), stock, atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_model_lists_supported_classes():
@@ -113,11 +127,12 @@ def test_register_boost_extends_the_registry(toy_model_class):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"sparsity": 1.5}, "sparsity=1.5"),
+        ({"sparsity": 1.5}, r"sparsity: .*less than 1 \(got 1.5\)"),
         ({"attention_backend": "cudnn"}, "attention_backend='cudnn'.*fa3, fa2, npu, sdpa"),
-        ({"sparse_kernel": "triton"}, "sparse_kernel='triton'"),
+        ({"sparse_kernel": "triton"}, "sparse_kernel: 'triton' is not a sparse kernel"),
     ],
 )
 def test_bad_settings_name_the_argument(kwargs, match):
+    """An out-of-range or unknown setting is one line naming the field, the value and the rule."""
     with pytest.raises(ValueError, match=match):
         liteboost.BoostManager(build_tiny_transformer(), **kwargs)

@@ -6,52 +6,52 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import Field, field_validator
 
 from liteboost._components import components
 from liteboost.attention.backends import parse_backend
 from liteboost.cache import apply_cache, cache_config
 from liteboost.models.registry import Handle, find_boost, supported_boosts, unsupported
 from liteboost.ops.rain_fusion import SparseKernel
+from npu_core.config import StrictConfig
 
 
-@dataclass(frozen=True)
-class BoostConfig:
-    """Single-device boost settings, validated on construction (each is a CLI option too).
+class BoostConfig(StrictConfig):
+    """Single-device boost settings, validated on construction (each is a CLI option too)."""
 
-    Attributes:
-        sparsity: share of key blocks skipped in self-attention, in [0, 1) (0 = dense).
-        rope_cache: cache RoPE tables per grid, dtype and device and rotate in fp32.
-        attention_backend: dense backend "fa3", "fa2", "npu" or "sdpa"; None = first usable.
-        block_size: tokens per sparse-attention block.
-        sparse_kernel: sparse kernel "npu", "cpu", "gather", "flex" or "reference"; None = per
-            device.
-    """
+    sparsity: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of key blocks skipped in self-attention (0 = dense).",
+    )
+    rope_cache: bool = Field(
+        True, description="Cache RoPE tables per grid, dtype and device and rotate in fp32."
+    )
+    attention_backend: str | None = Field(
+        None, description='Dense backend "fa3", "fa2", "npu" or "sdpa"; None = first usable.'
+    )
+    block_size: int = Field(128, ge=1, description="Tokens per sparse-attention block.")
+    sparse_kernel: str | None = Field(
+        None,
+        description='Sparse kernel "npu", "cpu", "gather", "flex" or "reference"; None: by device.',
+    )
 
-    sparsity: float = 0.0
-    rope_cache: bool = True
-    attention_backend: str | None = None
-    block_size: int = 128
-    sparse_kernel: str | None = None
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_backend(cls, value: str | None) -> str | None:
+        return None if value is None else parse_backend(value).value
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.sparsity < 1.0:
-            raise ValueError(
-                f"sparsity={self.sparsity} must be in [0, 1): the share of key blocks skipped"
-            )
-        if self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size} must be >= 1")
-        if self.attention_backend is not None:
-            object.__setattr__(
-                self, "attention_backend", parse_backend(self.attention_backend).value
-            )
-        if self.sparse_kernel is not None:
-            try:
-                object.__setattr__(self, "sparse_kernel", SparseKernel(self.sparse_kernel).value)
-            except ValueError:
-                allowed = ", ".join(k.value for k in SparseKernel)
-                raise ValueError(
-                    f"sparse_kernel={self.sparse_kernel!r}; use one of: {allowed}"
-                ) from None
+    @field_validator("sparse_kernel")
+    @classmethod
+    def _known_kernel(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return SparseKernel(value).value
+        except ValueError:
+            allowed = ", ".join(k.value for k in SparseKernel)
+            raise ValueError(f"{value!r} is not a sparse kernel; use one of: {allowed}") from None
 
 
 _OWNER_ATTR = "_liteboost_boost_owner"
@@ -131,12 +131,14 @@ class BoostManager:
             if cache is None
             else cache_config(cache, None if is_module else model_or_pipeline, cache_threshold)
         )
-        self.config = BoostConfig(
-            sparsity=sparsity,
-            rope_cache=rope_cache,
-            attention_backend=attention_backend,
-            block_size=block_size,
-            sparse_kernel=sparse_kernel,
+        self.config = BoostConfig.validate_tree(
+            {
+                "sparsity": sparsity,
+                "rope_cache": rope_cache,
+                "attention_backend": attention_backend,
+                "block_size": block_size,
+                "sparse_kernel": sparse_kernel,
+            }
         )
         self.handles: dict[str, Handle] = {}
         found = [(name, m, find_boost(m)) for name, m in components(model_or_pipeline)]
