@@ -209,7 +209,9 @@ for _folder, _member in MEMBERS.items():
         f"{_member.distribution} alone (locked): every test on {MAIN_PYTHON}, quick ones elsewhere."
     )
 
-    @nox.session(name=f"floors-{_folder}", python=MAIN_PYTHON)
+    # a new environment each run: pip-style installs keep a version that still satisfies a
+    # requirement, so a reused one would hide a raised floor behind the version already there
+    @nox.session(name=f"floors-{_folder}", python=MAIN_PYTHON, reuse_venv=False)
     def _package_floors(session: nox.Session, member: Member = _member) -> None:
         """Install with ``--resolution lowest-direct``: every requirement a member's
         ``pyproject.toml`` names (its dependencies, its test group, the siblings it needs, taken
