@@ -302,6 +302,7 @@ def docs(session: nox.Session) -> None:
     """The MkDocs site (Material, mkdocstrings API pages), built with ``--strict``: a broken
     link, a missing page or an unresolvable API reference fails the build."""
     _sync(session, "--all-packages", "--group", "docs")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about its successor, not ours
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "build" / "site"))
 
 

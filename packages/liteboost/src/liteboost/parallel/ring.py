@@ -168,15 +168,18 @@ class RingAttention:
         up to float rounding: the same key blocks are kept, chosen from the same block means.
 
         Args:
-            q, k, v: [B, N, L, D] (BNSD), this rank's chunk of the sequence in the tile order
-                of ``tiling.tile_layout(latent_shape, tile, ...)`` (see :func:`tiled_chunk`):
-                rank ``r`` holds tiled tokens ``[r * L, (r + 1) * L)``, zero padded at the end;
-                L a multiple of both block sizes and the same on every rank.
+            q: [B, N, L, D] (BNSD), this rank's chunk of the sequence in the tile order of
+                ``tiling.tile_layout(latent_shape, tile, ...)`` (see :func:`tiled_chunk`): rank
+                ``r`` holds tiled tokens ``[r * L, (r + 1) * L)``, zero padded at the end; L a
+                multiple of both block sizes and the same on every rank.
+            k: [B, N, L, D], the keys of the same chunk.
+            v: [B, N, L, D], the values of the same chunk.
             latent_shape: the token grid (frames, height, width) after patching.
             sparsity: share of key blocks skipped per query block, in [0, 1).
             block_size: tokens per block, an int or a (query, key) pair.
             text_len: text tokens after the video tokens.
-            first_frame_sink, tile: as in :func:`liteboost.ops.sparse_attention`.
+            first_frame_sink: as in :func:`liteboost.ops.sparse_attention`.
+            tile: as in :func:`liteboost.ops.sparse_attention`.
             scale: softmax scale (default 1 / sqrt(D)).
             kernel: the per-chunk kernel, both returning the log-sum-exp the merge needs:
                 "cpu" (the fused C++ kernel; it falls back to block gather itself where it
