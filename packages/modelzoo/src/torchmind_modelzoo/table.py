@@ -1,4 +1,8 @@
-"""The support table: cards rendered as Markdown, and the README block it lives in."""
+"""The support table: cards rendered as Markdown, and the page block it lives in.
+
+The table lives in ``docs/modelzoo/cards.md`` between the two marker lines; ``modelzoo list
+--format markdown --readme docs/modelzoo/cards.md`` rewrites it.
+"""
 
 from __future__ import annotations
 
@@ -63,12 +67,12 @@ def replace_block(text: str, table: str) -> str:
     """
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {START} ... {END} block to fill")
+        raise ValueError(f"the page has no {START} ... {END} block to fill")
     return text[: start + len(START)] + "\n" + table + text[end:]
 
 
 def update_readme(path: str | os.PathLike[str], table: str) -> bool:
-    """Rewrite the README's support-table block atomically; returns True when it changed."""
+    """Rewrite the support-table block of the page at ``path`` atomically; True when it changed."""
     path = Path(path)
     old = path.read_text(encoding="utf-8")
     new = replace_block(old, table)
