@@ -84,8 +84,59 @@ def test_cache_config_objects_and_names(pipe, uncached):
         ]
         assert hooked == [f"blocks.{i}" for i in range(len(pipe.transformer.blocks))]
         assert not torch.equal(_latents(pipe), uncached), "TaylorSeer predicted nothing"
+
+
+def _last_attn1_per_call(pipe, run) -> tuple[list[torch.Tensor], list[bool], list[float]]:
+    """Per transformer call: the last block's self-attention output, whether it computed
+    (its query projection ran) and the pipeline's timestep."""
+    outputs: list[torch.Tensor] = []
+    computed: list[bool] = []
+    timesteps: list[float] = []
+    attn = pipe.transformer.blocks[-1].attn1
+
+    def start(*_):
+        computed.append(False)
+        timesteps.append(float(pipe.current_timestep))
+
+    def ran(*_):
+        computed[-1] = True
+
+    handles = [
+        pipe.transformer.register_forward_pre_hook(start),
+        attn.to_q.register_forward_hook(ran),
+        attn.register_forward_hook(lambda _m, _a, out: outputs.append(out.clone())),
+    ]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, computed, timesteps
+
+
+def test_pab_broadcasts_self_attention_every_other_call_inside_its_range(pipe, uncached):
+    """cache="pab": inside timesteps (100, 800) every other call reuses the previous
+    self-attention output instead of computing; elsewhere it computes as uncached."""
+    with liteboost.BoostManager(pipe):
+        reference, ref_computed, timesteps = _last_attn1_per_call(pipe, lambda: _latents(pipe))
+    box = []
     with liteboost.BoostManager(pipe, cache="pab"):
-        assert _latents(pipe).shape == uncached.shape
+        outputs, computed, _ = _last_attn1_per_call(pipe, lambda: box.append(_latents(pipe)))
+    calls = 2 * CALL["num_inference_steps"]  # CFG: one call per branch per step
+    assert len(timesteps) == len(outputs) == calls and all(ref_computed)
+    # The documented schedule, from the timesteps the pipeline really used.
+    expected = [i % 2 == 0 or not 100 < t < 800 for i, t in enumerate(timesteps)]
+    assert not all(expected), f"no call of {timesteps} falls in PAB's range"
+    assert computed == expected
+    first_reuse = expected.index(False)
+    for i in range(first_reuse):  # nothing reused yet: identical to the uncached run
+        torch.testing.assert_close(outputs[i], reference[i], atol=0, rtol=0)
+    for i in range(calls):
+        if not expected[i]:
+            assert torch.equal(outputs[i], outputs[i - 1]), f"call {i} did not reuse"
+    assert not torch.allclose(outputs[first_reuse], reference[first_reuse], atol=1e-6)
+    assert not torch.equal(box[0], uncached), "broadcasting changed nothing"
+    assert torch.equal(_latents(pipe), uncached), "remove() must restore the stock pipeline"
 
 
 def _attn1_outputs(pipe, run) -> tuple[list[torch.Tensor], int]:
