@@ -30,8 +30,9 @@ ROOT = Path(__file__).parent
 PYTHONS = ["3.11", "3.13"]
 #: Python of the whole suite, the floors and the wheels (the oldest ``requires-python`` allows).
 MAIN_PYTHON = PYTHONS[0]
-#: The tests every cell of the matrix runs: one process, no multi-rank launches, nothing marked
-#: slow. The main cell (locked, 3.11) runs everything.
+#: The tests every other cell of the matrix runs: of the member's ``matrix-tests`` (below), those
+#: in one process, without multi-rank launches, not marked slow. The main cell (locked, 3.11)
+#: runs everything.
 QUICK_TESTS = "not slow and not distributed and not device"
 MAX_TEST_WORKERS = 4
 
@@ -46,6 +47,10 @@ class Member:
     module: str
     scripts: tuple[str, ...]
     siblings: tuple[str, ...]
+    matrix_tests: tuple[str, ...]
+    """Test paths the 3.13 and floors cells run (``[tool.torchmind] matrix-tests`` in the
+    member's ``pyproject.toml``: a representative part where the whole quick set would not fit
+    CI's time; default ``tests``)."""
 
     @classmethod
     def read(cls, pyproject: Path) -> Member:
@@ -66,6 +71,9 @@ class Member:
             module=Path(source).name,
             scripts=tuple(project.get("scripts", {})),
             siblings=siblings,
+            matrix_tests=tuple(
+                data.get("tool", {}).get("torchmind", {}).get("matrix-tests", ["tests"])
+            ),
         )
 
 
@@ -162,11 +170,14 @@ def _docs_of(member: Member) -> list[Path]:
     return [member.path / "README.md", *pages]
 
 
-def _member_tests(session: nox.Session, member: Member, *selection: str) -> None:
-    """The member's tests plus every Python snippet of its README and docs pages."""
-    _parallel_pytest(
-        session, *selection, "--markdown-docs", member.path / "tests", *_docs_of(member)
-    )
+def _member_tests(session: nox.Session, member: Member, *, quick: bool) -> None:
+    """The member's tests (all, or its quick matrix tests) plus every Python snippet of its
+    README and docs pages."""
+    if quick:
+        selection = ["-m", QUICK_TESTS, *(member.path / t for t in member.matrix_tests)]
+    else:
+        selection = [member.path / "tests"]
+    _parallel_pytest(session, "--markdown-docs", *selection, *_docs_of(member))
 
 
 @nox.session(python=False)
@@ -202,8 +213,7 @@ for _folder, _member in MEMBERS.items():
     @nox.session(name=f"tests-{_folder}", python=PYTHONS)
     def _package_tests(session: nox.Session, member: Member = _member) -> None:
         _sync(session, "--package", member.distribution, "--group", "test")
-        quick = [] if session.python == MAIN_PYTHON else ["-m", QUICK_TESTS]
-        _member_tests(session, member, *quick)
+        _member_tests(session, member, quick=session.python != MAIN_PYTHON)
 
     _package_tests.__doc__ = (
         f"{_member.distribution} alone (locked): every test on {MAIN_PYTHON}, quick ones elsewhere."
@@ -230,7 +240,7 @@ for _folder, _member in MEMBERS.items():
             env={"VIRTUAL_ENV": session.virtualenv.location},
         )
         session.run("uv", "pip", "list", "--python", session.virtualenv.location, silent=False)
-        _member_tests(session, member, "-m", QUICK_TESTS)
+        _member_tests(session, member, quick=True)
 
     _package_floors.__doc__ = (
         f"{_member.distribution} with its direct dependencies at their floors."
