@@ -26,6 +26,26 @@ DECODE_FRAMES = [1, 5, 9]
 ENCODE_FRAMES = [1, 9, 17]
 
 
+def _run_counting_tokens(model, inputs: dict) -> tuple[torch.Tensor, list[int]]:
+    """The model's output and the tokens each self-attention received (sequence length)."""
+    seen: list[int] = []
+    handles = [
+        block.attn1.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.append(
+                (args[0] if args else kwargs["hidden_states"]).shape[1]
+            ),
+            with_kwargs=True,
+        )
+        for block in model.blocks
+    ]
+    try:
+        sample = model(**inputs).sample
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sample, seen
+
+
 @torch.no_grad()
 def _ulysses_rank(data: dict) -> dict:
     rank = dist.get_rank()
@@ -33,10 +53,10 @@ def _ulysses_rank(data: dict) -> dict:
     model = build_tiny_transformer()
     for grid in GRIDS:
         inputs = data["grids"][grid]
-        stock = model(**inputs).sample
+        stock, out[f"stock_tokens{grid}"] = _run_counting_tokens(model, inputs)
         with liteboost.ParallelManager(model) as manager:
             assert manager.parallelized == ["model"]
-            parallel = model(**inputs).sample
+            parallel, out[f"tokens{grid}"] = _run_counting_tokens(model, inputs)
         out[f"dense{grid}"] = (parallel - stock).abs().max().item()
         with liteboost.BoostManager(model):
             boosted = model(**inputs).sample
@@ -85,7 +105,8 @@ def _ulysses_rank(data: dict) -> dict:
 def test_ulysses_and_vae_parallel_equal_single_process(
     world, wan_inputs, wan_variant_inputs, tiny_i2v, vae_latents_of, vae_pixels_of
 ):
-    """Ulysses (dense, boosted, sparse, I2V, TI2V; uneven sequence; 2 heads on 3 ranks), VAE."""
+    """Ulysses (dense, boosted, sparse, I2V, TI2V; uneven sequence; 2 heads on 3 ranks), VAE,
+    each rank's self-attention receiving only its share of the tokens."""
     data = {
         "grids": {grid: wan_inputs(grid, batch=2) for grid in GRIDS},
         "sparse": wan_inputs(SPARSE_GRID, batch=2),
@@ -95,8 +116,13 @@ def test_ulysses_and_vae_parallel_equal_single_process(
         "pixels": {t: vae_pixels_of(t) for t in ENCODE_FRAMES},
     }
     results = launch(_ulysses_rank, world, data, timeout=900)
+    blocks = build_tiny_transformer().config.num_layers
     for rank, res in enumerate(results):
         for grid in GRIDS:
+            # Each rank's self-attention saw only its share of the tokens: ceil(S / world).
+            tokens = grid[0] * grid[1] * grid[2]
+            assert res[f"stock_tokens{grid}"] == [tokens] * blocks, (rank, grid, res)
+            assert res[f"tokens{grid}"] == [-(-tokens // world)] * blocks, (rank, grid, res)
             assert res[f"dense{grid}"] < 1e-5, (rank, grid, res)
             assert res[f"boosted{grid}"] < 1e-5, (rank, grid, res)
         assert res["sparse"] < 1e-5, (rank, res)
