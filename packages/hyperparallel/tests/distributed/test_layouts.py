@@ -201,3 +201,55 @@ def test_expert_parallel_checkpoint_resumes_with_more_expert_ranks(default_runs,
     full = default_runs["ep"].train_losses
     assert slow_runs["ep4-rest"].first_step == 10
     assert slow_runs["ep4-rest"].train_losses == pytest.approx(full[10:12], abs=1e-4)
+
+
+def _parameter_shares(layouts: dict[str, str], out: str) -> dict[str, dict]:
+    """Per layout, this rank's parameters as the trainer builds them (no training):
+    ``name -> (is a DTensor, local shape, full shape, mesh dimension names)``; under "full" the
+    unsharded model's shapes."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from hyperparallel.parallel.mesh import parse_mesh
+    from hyperparallel.train.model import MoETransformer, build_model
+
+    shares: dict[str, dict] = {}
+    for key, mesh in layouts.items():
+        cfg = _config(Path(out) / key, mesh)
+        meshes = parse_mesh(mesh, dist.get_world_size()).build("cpu")
+        owner = build_model(cfg, meshes, torch.device("cpu")).owner
+        shares[key] = {
+            name: (
+                isinstance(p, DTensor),
+                tuple((p.to_local() if isinstance(p, DTensor) else p).shape),
+                tuple(p.shape),
+                p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None,
+            )
+            for name, p in owner.named_parameters()
+        }
+    full = MoETransformer(_config(Path(out) / "full", FSDP).model)
+    shares["full"] = {name: tuple(p.shape) for name, p in full.named_parameters()}
+    return shares
+
+
+def test_fsdp_and_expert_layouts_hold_only_their_share_of_the_parameters(tmp_path):
+    """On 4 ranks, FSDP and ep=2,dp_shard=2 keep every parameter as a DTensor cut along its
+    first dimension: each rank holds at most ceil(rows / 4) rows, the ranks' rows add up."""
+    layouts = {"fsdp": FSDP, "ep": DEFAULT_LAYOUTS["ep"][0]}
+    per_rank = launch(_parameter_shares, 4, layouts, str(tmp_path), timeout=600)
+    full = per_rank[0]["full"]
+    for key in layouts:
+        assert set(per_rank[0][key]) == set(full), key
+        for name, shape in full.items():
+            shares = [rank[key][name] for rank in per_rank]
+            assert all(dt and whole == shape for dt, _, whole, _ in shares), (key, name, shares)
+            local = [part for _, part, _, _ in shares]
+            assert all(part[1:] == shape[1:] for part in local), (key, name, local)
+            assert all(part[0] <= -(-shape[0] // 4) for part in local), (key, name, local)
+            assert sum(part[0] for part in local) == shape[0], (key, name, local)
+    experts = [name for name in full if name.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down")]
+    assert experts, "the debug model has no experts"
+    for name in experts:  # whole experts over ep x dp_shard = 4 ranks: a quarter each
+        assert [rank["ep"][name][1][0] for rank in per_rank] == [full[name][0] // 4] * 4, name
+        meshes = {rank["ep"][name][3] for rank in per_rank}
+        assert all("ep" in names for names in meshes), (name, meshes)  # placed by EP, not FSDP
