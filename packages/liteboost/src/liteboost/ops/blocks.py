@@ -14,8 +14,10 @@ def block_shape(block_size: BlockSize) -> tuple[int, int]:
         ValueError: not a positive int or a pair of them.
     """
     pair = (block_size, block_size) if isinstance(block_size, int) else block_size
+    # isinstance with a tuple, not ``tuple | list``: torch 2.9's Dynamo (our floor) cannot wrap a
+    # types.UnionType and breaks the graph here (these checks run inside traced attention).
     if not (
-        isinstance(pair, tuple | list)
+        isinstance(pair, (tuple, list))
         and len(pair) == 2
         and all(isinstance(x, int) and x >= 1 for x in pair)
     ):
@@ -132,7 +134,7 @@ def check_latent_shape(
             ``frames * height * width + text_len != tokens``.
     """
     if not (
-        isinstance(latent_shape, tuple | list)
+        isinstance(latent_shape, (tuple, list))  # a tuple, not a union: see block_shape
         and len(latent_shape) == 3
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in latent_shape)
     ):

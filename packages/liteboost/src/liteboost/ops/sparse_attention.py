@@ -42,9 +42,11 @@ class SparsePlan:
 
 
 def _check_sparsity(sparsity: float) -> None:
+    # isinstance with a tuple, not ``int | float``: torch 2.9's Dynamo (our floor) cannot wrap a
+    # types.UnionType and breaks the graph (these checks run inside traced attention).
     if (
         isinstance(sparsity, bool)
-        or not isinstance(sparsity, int | float)
+        or not isinstance(sparsity, (int, float))
         or not (0.0 <= sparsity < 1.0)
     ):
         raise ValueError(
@@ -53,7 +55,7 @@ def _check_sparsity(sparsity: float) -> None:
 
 
 def _check_scale(scale: float | None) -> None:
-    if scale is not None and not (isinstance(scale, int | float) and 0.0 < scale < math.inf):
+    if scale is not None and not (isinstance(scale, (int, float)) and 0.0 < scale < math.inf):
         raise ValueError(f"scale={scale!r}; expected None (D ** -0.5) or a finite number > 0")
 
 
