@@ -141,3 +141,24 @@ def explain_graphs(model, inputs: dict):
 def explained():
     """:func:`explain_graphs`: dynamo's account of one traced forward."""
     return explain_graphs
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel():
+    """liteboost's C++ CPU extension (built or loaded from the cache). The one policy for a
+    missing C++ toolchain: a test that needs the extension is skipped, naming the compiler."""
+    import shutil
+
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    from liteboost.ops.cpu_extension import load_cpu_kernel
+
+    module = load_cpu_kernel()
+    if module is None:
+        compiler = get_cxx_compiler()
+        found = "not found" if shutil.which(compiler) is None else "found, but the build failed"
+        pytest.skip(
+            f"no C++ toolchain to build liteboost's CPU kernel extension: compiler {compiler!r} "
+            f"{found} (the 'CPU kernel extension unavailable' warning has the build's error)"
+        )
+    return module

@@ -79,13 +79,10 @@ def test_help_lists_the_build_command():
 
 
 @pytest.mark.timeout(900)  # builds the extension when no earlier test of the session did
-def test_build_cpu_kernel_names_the_library_the_kernels_load():
+def test_build_cpu_kernel_names_the_library_the_kernels_load(cpu_kernel):
     """After the kernels' own first load (a build on a fresh machine), the command loads the
     same build from the cache and prints its name and file."""
-    from liteboost.ops.cpu_extension import load_cpu_kernel
-
-    module = load_cpu_kernel()
-    assert module is not None, "no C++ toolchain here"
+    module = cpu_kernel
     result = CliRunner().invoke(app, ["build-cpu-kernel"])
     assert result.exit_code == 0, result.output
     assert f"already built; loaded {module.__name__} (" in result.output

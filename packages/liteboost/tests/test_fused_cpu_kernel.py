@@ -38,8 +38,9 @@ def _qkv(sq, sk, d=8, heads=3, batch=2, seed=0):
     return q, k, v
 
 
-def test_the_kernel_builds_here_and_is_the_cpu_default():
-    assert load_cpu_kernel() is not None, "no C++ toolchain: the CPU default falls back to gather"
+def test_the_kernel_builds_here_and_is_the_cpu_default(cpu_kernel):
+    """Where the extension builds, it is the one loaded and the CPU's default sparse kernel."""
+    assert load_cpu_kernel() is cpu_kernel
     assert default_kernel(torch.device("cpu")) is SparseKernel.CPU
 
 

@@ -107,17 +107,15 @@ def test_rotation_uses_no_complex_tensors():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_loop_equals_torch_form_which_runs_under_autograd(dtype):
-    """The eager CPU rotation is the C++ loop where it builds; under autograd the functional
-    torch form runs (the loop has no backward, and the in-place form's out= writes refuse
-    autograd). Both compute in fp32 and round once: equal to float rounding."""
-    from liteboost.ops.cpu_extension import load_cpu_kernel
+def test_cpu_loop_equals_torch_form_which_runs_under_autograd(dtype, cpu_kernel):
+    """The eager CPU rotation is the C++ loop (needs the extension); under autograd the
+    functional torch form runs (the loop has no backward, and the in-place form's out= writes
+    refuse autograd). Both compute in fp32 and round once: equal to float rounding."""
     from liteboost.ops.rope import _cpu_kernel
 
     tables = rope_tables(12, (3, 4, 4))
-    x = torch.randn(2, 48, 2, 12).to(dtype)
-    if load_cpu_kernel() is not None:
-        assert _cpu_kernel(x, tables.pair_cos, tables.pair_sin) is not None
+    x = torch.randn(2, 48, 2, 12, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert _cpu_kernel(x, tables.pair_cos, tables.pair_sin) is cpu_kernel, "the loop must run"
     fast = apply_rope(x, tables.pair_cos, tables.pair_sin)
     leaf = x.float().requires_grad_()
     graded = leaf.to(dtype)
