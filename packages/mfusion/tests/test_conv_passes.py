@@ -127,53 +127,62 @@ def test_compiled_patch_embedding_matches_eager(harness):
     assert mfusion.report().rewritten("patch_conv") == 1
 
 
-def _case(kind: str):
+def _case(kind: str, dtype: torch.dtype = torch.float32):
     if kind == "tiles":  # ViT patch embedding: 4x4/4 over RGB
-        return _conv(stride=4), _randn(torch.float32, (1, 3, 16, 16), (8, 3, 4, 4), (8,))
-    # speech front end: 3x3/2 over one channel
-    return _conv(stride=2), _randn(torch.float32, (1, 1, 17, 15), (8, 1, 3, 3), (8,))
+        return _conv(stride=4), _randn(dtype, (1, 3, 16, 16), (8, 3, 4, 4), (8,))
+    if kind == "single":  # speech front end: 3x3/2 over one channel
+        return _conv(stride=2), _randn(dtype, (1, 1, 17, 15), (8, 1, 3, 3), (8,))
+    # overlapping strided windows over several channels (ResNet-style 3x3/2)
+    return _conv(stride=2), _randn(dtype, (1, 4, 17, 15), (8, 4, 3, 3), (8,))
 
 
-@pytest.mark.parametrize(
-    ("machine", "kind", "rewrites"),
-    [
-        (("AVX512_BF16", {}), "tiles", True),
-        (("AVX512_BF16", {}), "single", True),
-        (("AVX2", {}), "tiles", True),
-        (("AVX2", {}), "single", True),
-        # AVX-512 hardware with oneDNN capped to AVX2 decides as an AVX2 CPU.
-        (("AVX512_BF16", {"onednn_max_isa": "AVX2"}), "single", True),
-        (("AVX512_BF16", {"onednn_max_isa": "nonsense"}), "tiles", False),
-        # Not measured: AMX machines, AVX-512 without BF16, other architectures.
-        (("AVX512_BF16", {"amx": True}), "tiles", False),
-        (("AVX512_BF16", {"avx512_bf16": False}), "tiles", False),
-        (("AVX2", {"arch": "aarch64", "cpu_capability": "SVE256"}), "tiles", False),
-    ],
-    ids=[
-        "avx512-bf16-tiles",
-        "avx512-bf16-single",
-        "avx2-tiles",
-        "avx2-single",
-        "onednn-cap-single",
-        "unknown-cap-tiles",
-        "amx-tiles",
-        "avx512-no-bf16-tiles",
-        "arm-tiles",
-    ],
-)
-def test_auto_policy_rewrites_only_shape_classes_measured_on_that_isa(
-    harness, machine, kind, rewrites
-):
-    """patch_conv='auto' follows the machine profile's ISA level; the result equals eager."""
-    machine = harness.machine(*machine)
-    fn, (x, w, b) = _case(kind)
-    gm = harness.trace(fn, x, w, b)
-    record = harness.apply(gm, "patch_conv", machine=machine)
-    assert record.rewritten("patch_conv") == int(rewrites)
-    assert harness.count(gm, aten.convolution.default) == (0 if rewrites else 1)
-    if not rewrites:
-        assert "not measured to pay" in record.refused("patch_conv")[0].reason
-    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **harness.tolerance(torch.float32))
+# Machine profiles: the two fixed ones, AVX-512 capped to AVX2 (oneDNN's cap), and profiles
+# whose ISA level nothing was measured on (unknown cap, AMX, AVX-512 without BF16, ARM).
+PROFILES = {
+    "avx512-bf16": ("AVX512_BF16", {}),
+    "avx2": ("AVX2", {}),
+    "onednn-cap-avx2": ("AVX512_BF16", {"onednn_max_isa": "AVX2"}),
+    "unknown-cap": ("AVX512_BF16", {"onednn_max_isa": "nonsense"}),
+    "amx": ("AVX512_BF16", {"amx": True}),
+    "avx512-no-bf16": ("AVX512_BF16", {"avx512_bf16": False}),
+    "arm": ("AVX2", {"arch": "aarch64", "cpu_capability": "SVE256"}),
+}
+UNMEASURED = ("unknown-cap", "amx", "avx512-no-bf16", "arm")
+
+
+def test_auto_policy_decides_by_isa_level_and_dtype_within_what_on_allows(harness):
+    """patch_conv='auto' by behaviour, not by its table: it rewrites a subset of what 'on'
+    rewrites (tiles and single-channel windows, never overlapping multi-channel ones), equals
+    eager, decides the same for profiles of one ISA level, names the level and dtype when it
+    keeps a convolution, keeps every convolution where nothing was measured, and rewrites
+    both shape classes somewhere."""
+    decisions: dict[tuple, set[bool]] = {}
+    rewritten_somewhere = set()
+    for profile, (base, overrides) in PROFILES.items():
+        machine = harness.machine(base, overrides)
+        for kind in ("tiles", "single", "strided"):
+            for dtype in DTYPES:
+                fn, (x, w, b) = _case(kind, dtype)
+                forced = harness.apply(
+                    harness.trace(fn, x, w, b), "patch_conv", patch_conv="on", machine=machine
+                )
+                assert forced.rewritten("patch_conv") == (kind != "strided"), (profile, kind)
+                gm = harness.trace(fn, x, w, b)
+                record = harness.apply(gm, "patch_conv", machine=machine)
+                auto = record.rewritten("patch_conv") == 1
+                assert harness.count(gm, aten.convolution.default) == (0 if auto else 1)
+                assert not auto or kind != "strided", (profile, kind, dtype)
+                if not auto and kind != "strided":
+                    reason = record.refused("patch_conv")[0].reason
+                    assert f"{dtype} on ISA level {machine.isa_level!r}" in reason, reason
+                if profile in UNMEASURED:
+                    assert not auto, f"{profile}: nothing measured there, the graph is kept"
+                torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **harness.tolerance(dtype))
+                decisions.setdefault((machine.isa_level, kind, dtype), set()).add(auto)
+                if auto:
+                    rewritten_somewhere.add(kind)
+    assert all(len(d) == 1 for d in decisions.values()), decisions
+    assert rewritten_somewhere == {"tiles", "single"}, rewritten_somewhere
 
 
 def test_auto_policy_keeps_unmeasured_dtypes_and_off_keeps_everything(harness):
