@@ -56,7 +56,10 @@ SHAPES = [
 
 @pytest.mark.parametrize(("block", "sq", "sk"), SHAPES, ids=[str(s[0]) for s in SHAPES])
 @pytest.mark.parametrize("kernel", ["cpu", "gather"])
-def test_kernels_match_reference_for_block_shapes(block, sq, sk, kernel):
+def test_kernels_match_reference_for_block_shapes(request, block, sq, sk, kernel):
+    """The fused C++ kernel (needs the extension) and block gather equal the reference."""
+    if kernel == "cpu":
+        request.getfixturevalue("cpu_kernel")  # else "cpu" would run gather: no comparison
     q, k, v = _qkv(sq, sk)
     nq, nk = -(-sq // block[0]), -(-sk // block[1])
     index = _index(2, 3, nq, nk, torch.Generator().manual_seed(1))
@@ -65,7 +68,8 @@ def test_kernels_match_reference_for_block_shapes(block, sq, sk, kernel):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_cpu_kernel_in_bf16_and_bsnd():
+def test_cpu_kernel_in_bf16_and_bsnd(cpu_kernel):
+    """The fused kernel on bf16 BSND inputs equals the fp32 reference to bf16 rounding."""
     q, k, v = _qkv(100, 100, d=16)
     index = _index(2, 3, 7, 7, torch.Generator().manual_seed(2))
     ref = reference_block_sparse_attention(q, k, v, index, 16)
@@ -80,7 +84,7 @@ def test_cpu_kernel_in_bf16_and_bsnd():
     torch.testing.assert_close(out.transpose(1, 2).float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_cpu_kernel_refuses_unknown_blocks_and_other_devices():
+def test_cpu_kernel_refuses_unknown_blocks_and_other_devices(cpu_kernel):
     """Zero rows and head checks are tested with the gather kernel in test_sparse_attention."""
     q, k, v = _qkv(32, 32, d=4, heads=1, batch=1)
     with pytest.raises(RuntimeError, match="key block >= 2"):
