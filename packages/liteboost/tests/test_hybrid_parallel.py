@@ -6,6 +6,8 @@ count). One launch per world size runs every check: rank start-up dominates here
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,17 +70,39 @@ def _cached_run(pipe, boost: dict, layout: tuple[int, int, int] | None) -> tuple
     return latents, counter.calls
 
 
+def _forward_counting_tokens(model, inputs: dict) -> tuple[torch.Tensor, list[int]]:
+    """The model's output and the tokens each self-attention received (sequence length)."""
+    seen: list[int] = []
+    handles = [
+        block.attn1.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.append(
+                (args[0] if args else kwargs["hidden_states"]).shape[1]
+            ),
+            with_kwargs=True,
+        )
+        for block in model.blocks
+    ]
+    try:
+        sample = model(**inputs).sample
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sample, seen
+
+
 @torch.no_grad()
 def _hybrid_rank(transformer_cases: dict, layouts: list, pipe_layouts: list, cache_cases) -> dict:
-    out: dict = {"transformer": {}, "pipeline": {}, "cache": {}, "vae": {}}
+    out: dict = {"transformer": {}, "tokens": {}, "pipeline": {}, "cache": {}, "vae": {}}
     model = build_tiny_transformer()
     for name, inputs in transformer_cases.items():
-        stock = model(**inputs).sample
+        stock, out["tokens"][name, 1, 1] = _forward_counting_tokens(model, inputs)
         for ulysses, ring in layouts:
             with liteboost.ParallelManager(
                 model, ulysses_degree=ulysses, ring_degree=ring, vae_parallel=False
             ):
-                parallel = model(**inputs).sample
+                parallel, out["tokens"][name, ulysses, ring] = _forward_counting_tokens(
+                    model, inputs
+                )
             out["transformer"][name, ulysses, ring] = (parallel - stock).abs().max().item()
         with liteboost.BoostManager(model):  # cached RoPE tables + the boosted processor
             boosted = model(**inputs).sample
@@ -135,9 +159,14 @@ def _hybrid_rank(transformer_cases: dict, layouts: list, pipe_layouts: list, cac
     return out
 
 
-def _check(results, transformer_keys, pipe_layouts, cache_cases) -> None:
+def _check(results, transformer_keys, pipe_layouts, cache_cases, tokens) -> None:
     world = len(results)
+    blocks = build_tiny_transformer().config.num_layers
     for rank, res in enumerate(results):
+        # Sequence parallelism: each rank's self-attention saw ceil(S / (ulysses x ring)) tokens.
+        for (name, ulysses, ring), seen in res["tokens"].items():
+            share = -(-tokens[name] // (ulysses * ring))
+            assert seen == [share] * blocks, (rank, name, ulysses, ring, seen)
         for key in transformer_keys:
             assert res["transformer"][key] < 1e-5, (rank, key, res["transformer"])
         for layout in pipe_layouts:
@@ -173,7 +202,8 @@ def _check(results, transformer_keys, pipe_layouts, cache_cases) -> None:
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("world", [2, 4])
 def test_hybrid_layouts_equal_single_process(world, wan_inputs, wan_variant_inputs):
-    """Ulysses, Ring, Ulysses x Ring, CFG x both, caches on them and spatial VAE == 1 process."""
+    """Ulysses, Ring, Ulysses x Ring, CFG x both, caches on them and spatial VAE == 1 process;
+    each rank's self-attention receives only its share of the tokens."""
     cases = {
         "even": wan_inputs((3, 4, 4), batch=2),
         "uneven": wan_inputs((1, 5, 7), batch=2),  # 35 tokens: padding on 2 and 4 ranks
@@ -200,7 +230,9 @@ def test_hybrid_layouts_equal_single_process(world, wan_inputs, wan_variant_inpu
         ]
     results = launch(_hybrid_rank, world, cases, layouts, pipe_layouts, cache_cases, timeout=900)
     keys = [(n, u, r) for n in cases for u, r in layouts] + [(n, "boosted ring") for n in cases]
-    _check(results, keys, pipe_layouts, cache_cases)
+    # tokens after the (1, 2, 2) patch embedding: frames x height / 2 x width / 2
+    tokens = {n: math.prod(c["hidden_states"].shape[2:]) // 4 for n, c in cases.items()}
+    _check(results, keys, pipe_layouts, cache_cases, tokens)
 
 
 def test_degrees_must_multiply_to_the_world_size():
