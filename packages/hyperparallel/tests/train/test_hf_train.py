@@ -155,7 +155,11 @@ def test_expert_parallel_losses_equal_the_fsdp_run(full_run, ep_run):
     (_, fsdp), (out, ep) = full_run, ep_run
     assert abs(ep[0] - fsdp[0]) < 1e-4
     assert max(abs(a - b) for a, b in zip(ep, fsdp[:4], strict=False)) < 1e-3
-    assert ep != fsdp[:4]  # a different layout really ran (all-to-all sums in another order)
+    # the run was laid out as asked; that EP really places experts and moves tokens is checked
+    # by tests/distributed/test_hf_expert_parallel.py (on some CPUs the all-to-all's sums round
+    # exactly like FSDP's, so equal losses prove nothing either way)
+    config = json.loads((out / "metrics.json").read_text())["config"]
+    assert config["parallel"]["mesh"] == "ep=2"
     assert (out / "checkpoints" / "latest").read_text() == "step_0000004"
 
 
