@@ -142,9 +142,10 @@ def test_ep_step_equals_single_process_and_torch_optimizers(
                 torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
             want = torch_optimizer_step(model, grads, MUON, ADAMW)
             for name, value in params.items():
-                # bf16 Newton-Schulz, batched or one matrix at a time as measured on this machine:
-                # the same math, rounded in another order, so within bf16's 2^-8 of a ~4e-3 update
-                torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
+                # bf16 Newton-Schulz in the ranks and in this process (other thread counts, batched
+                # or one matrix at a time as measured): a few elements round one bf16 step apart,
+                # lr x 2^-7 at most; a wrong update is off by lr x O(0.1)
+                torch.testing.assert_close(value, want[name], rtol=0, atol=2e-4, msg=name)
 
 
 @pytest.mark.distributed
