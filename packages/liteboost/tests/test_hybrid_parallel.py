@@ -17,6 +17,7 @@ from liteboost.parallel.manager import resolve_degrees
 from liteboost.parallel.vae_dp import choose_decode_mode
 from liteboost.tiny import build_tiny_pipeline, build_tiny_transformer, build_tiny_vae
 from npu_core.dist import launch
+from packages.liteboost.tests.token_counts import forward_counting_tokens
 
 # Tiny pipeline call: 2 latent frames of 8 x 16 -> 64 tokens after the 2x2 patch.
 PIPE_CALL = dict(
@@ -70,37 +71,17 @@ def _cached_run(pipe, boost: dict, layout: tuple[int, int, int] | None) -> tuple
     return latents, counter.calls
 
 
-def _forward_counting_tokens(model, inputs: dict) -> tuple[torch.Tensor, list[int]]:
-    """The model's output and the tokens each self-attention received (sequence length)."""
-    seen: list[int] = []
-    handles = [
-        block.attn1.register_forward_pre_hook(
-            lambda _m, args, kwargs: seen.append(
-                (args[0] if args else kwargs["hidden_states"]).shape[1]
-            ),
-            with_kwargs=True,
-        )
-        for block in model.blocks
-    ]
-    try:
-        sample = model(**inputs).sample
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sample, seen
-
-
 @torch.no_grad()
 def _hybrid_rank(transformer_cases: dict, layouts: list, pipe_layouts: list, cache_cases) -> dict:
     out: dict = {"transformer": {}, "tokens": {}, "pipeline": {}, "cache": {}, "vae": {}}
     model = build_tiny_transformer()
     for name, inputs in transformer_cases.items():
-        stock, out["tokens"][name, 1, 1] = _forward_counting_tokens(model, inputs)
+        stock, out["tokens"][name, 1, 1] = forward_counting_tokens(model, inputs)
         for ulysses, ring in layouts:
             with liteboost.ParallelManager(
                 model, ulysses_degree=ulysses, ring_degree=ring, vae_parallel=False
             ):
-                parallel, out["tokens"][name, ulysses, ring] = _forward_counting_tokens(
+                parallel, out["tokens"][name, ulysses, ring] = forward_counting_tokens(
                     model, inputs
                 )
             out["transformer"][name, ulysses, ring] = (parallel - stock).abs().max().item()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import liteboost
 from liteboost.tiny import build_tiny_transformer, build_tiny_vae
 from npu_core.dist import launch
+from packages.liteboost.tests.token_counts import forward_counting_tokens
 
 pytestmark = pytest.mark.distributed
 
@@ -26,26 +27,6 @@ DECODE_FRAMES = [1, 5, 9]
 ENCODE_FRAMES = [1, 9, 17]
 
 
-def _run_counting_tokens(model, inputs: dict) -> tuple[torch.Tensor, list[int]]:
-    """The model's output and the tokens each self-attention received (sequence length)."""
-    seen: list[int] = []
-    handles = [
-        block.attn1.register_forward_pre_hook(
-            lambda _m, args, kwargs: seen.append(
-                (args[0] if args else kwargs["hidden_states"]).shape[1]
-            ),
-            with_kwargs=True,
-        )
-        for block in model.blocks
-    ]
-    try:
-        sample = model(**inputs).sample
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sample, seen
-
-
 @torch.no_grad()
 def _ulysses_rank(data: dict) -> dict:
     rank = dist.get_rank()
@@ -53,10 +34,10 @@ def _ulysses_rank(data: dict) -> dict:
     model = build_tiny_transformer()
     for grid in GRIDS:
         inputs = data["grids"][grid]
-        stock, out[f"stock_tokens{grid}"] = _run_counting_tokens(model, inputs)
+        stock, out[f"stock_tokens{grid}"] = forward_counting_tokens(model, inputs)
         with liteboost.ParallelManager(model) as manager:
             assert manager.parallelized == ["model"]
-            parallel, out[f"tokens{grid}"] = _run_counting_tokens(model, inputs)
+            parallel, out[f"tokens{grid}"] = forward_counting_tokens(model, inputs)
         out[f"dense{grid}"] = (parallel - stock).abs().max().item()
         with liteboost.BoostManager(model):
             boosted = model(**inputs).sample
