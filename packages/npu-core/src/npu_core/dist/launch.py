@@ -5,7 +5,8 @@ to loopback only; the first rank to fail has its exception re-raised here with t
 traceback attached; the remaining ranks are terminated; a run that outlives ``timeout`` raises
 ``LaunchTimeoutError`` naming the ranks that had not finished, instead of hanging; SIGTERM or
 SIGHUP to the launching process stops every rank before it exits (status 128 + signal), as
-SIGINT does, instead of leaving them training as orphans.
+SIGINT does, instead of leaving them training as orphans; and a launcher that dies without any
+cleanup (``kill -9``, a crash) takes its ranks with it, because each rank watches it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -73,6 +75,7 @@ def _rank_main(
     results: Any,
 ) -> None:
     """Entry point of one rank: set torchrun's environment, init, run ``fn``, report back."""
+    _exit_with_launcher()
     env.set_rank_environment(LOOPBACK, port, rank, world_size)
     torch.set_num_threads(threads_per_process(world_size))
     try:
@@ -100,11 +103,35 @@ def _rank_main(
                 torch.distributed.destroy_process_group()
 
 
+def _exit_with_launcher() -> None:
+    """End this rank as soon as the process that launched it is gone, however it died.
+
+    A launcher killed with SIGKILL runs no cleanup, and Linux does not stop children with their
+    parent: the ranks would go on training, and, since each holds the forkserver's and the
+    resource tracker's pipes open, those would stay too. multiprocessing gives every child a
+    sentinel, the read end of a pipe whose only writer is the launcher, which turns readable when
+    the launcher's file descriptors close, i.e. when it exits for any reason. A daemon thread
+    waits on it and exits the rank at once (no cleanup: the peers and the job are gone anyway).
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(128 + signal.SIGHUP)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+
+
 def _dumps_or_error(value: Any, rank: int) -> bytes:
     try:
         return pickle.dumps(value)
     except Exception as exc:
-        raise TypeError(f"rank {rank} returned a {type(value).__name__}, which does not pickle") from exc
+        raise TypeError(
+            f"rank {rank} returned a {type(value).__name__}, which does not pickle"
+        ) from exc
 
 
 START_METHODS = ("forkserver", "spawn")
@@ -262,7 +289,9 @@ def _collect(procs: list[Any], results: Any, timeout: float) -> list[Any]:
     return [values[rank] for rank in range(len(procs))]
 
 
-def _silently_dead(procs: list[Any], values: dict[int, Any], reporter: int) -> RankExitedError | None:
+def _silently_dead(
+    procs: list[Any], values: dict[int, Any], reporter: int
+) -> RankExitedError | None:
     time.sleep(0.05)  # let the dying rank's exit status settle
     for rank, proc in enumerate(procs):
         if rank != reporter and rank not in values and proc.exitcode not in (None, 0):
