@@ -7,6 +7,7 @@ from liteboost.parallel.ring import (
     merge_partials,
     tiled_chunk,
 )
+from liteboost.parallel.ring_kernels import RING_DENSE_KERNELS, RING_SPARSE_KERNELS, ChunkCall
 from liteboost.parallel.sequence import SequenceParallel
 from liteboost.parallel.ulysses import UlyssesExchange, working_degrees
 from liteboost.parallel.vae_dp import (
@@ -23,6 +24,9 @@ from liteboost.parallel.vae_dp import (
 from liteboost.parallel.vae_spatial import HaloExchange, plan_rows, spatial_decode, spatial_plan
 
 __all__ = [
+    "RING_DENSE_KERNELS",
+    "RING_SPARSE_KERNELS",
+    "ChunkCall",
     "HaloExchange",
     "ParallelConfig",
     "ParallelManager",

@@ -19,21 +19,22 @@ from the same means as the single process would (bit for bit: a block's sum does
 the rest of the sequence). Each K/V chunk is then attended only by the query blocks that keep
 one of its key blocks, and only with those blocks; a chunk that no local query block keeps is
 passed on without compute.
+
+The per-chunk kernels (dense and block-sparse, each returning the log-sum-exp the merge needs)
+are plug-ins of ``liteboost.parallel.ring_kernels``, chosen per device and logged there.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from liteboost.ops import tiling
-from liteboost.ops.block_gather import block_sparse_attention_with_lse
 from liteboost.ops.blocks import BlockSize, block_shape
-from liteboost.ops.fused_cpu import fused_cpu_block_sparse_attention_with_lse
 from liteboost.ops.sparse_attention import block_means, block_sums, select_pooled_blocks
+from liteboost.parallel.ring_kernels import ChunkCall, select_dense_kernel, select_sparse_kernel
 
 
 def attention_with_lse(
@@ -41,23 +42,12 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense softmax attention of [B, N, S, D] (BNSD) inputs and its log-sum-exp [B, N, S].
 
-    CPU runs ATen's fused flash-attention kernel, which returns the log-sum-exp it already
-    computes; CUDA the memory-efficient kernel; other devices an explicit fp32 softmax.
+    Runs the dense chunk kernel that ``liteboost.parallel.ring_kernels.RING_DENSE_KERNELS``
+    chooses for the inputs' device and dtype (ATen's fused flash kernel on CPU, the
+    memory-efficient kernel on CUDA, an explicit fp32 softmax elsewhere). The output is in
+    ``q``'s dtype, the log-sum-exp fp32.
     """
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, scale=scale
-        )
-        return out, lse.float()
-    if q.device.type == "cuda":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, False, scale=scale
-        )
-        return out, lse[..., : q.shape[2]].float()
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
-    return out, lse
+    return select_dense_kernel(ChunkCall.of(q)).impl(q, k, v, scale)
 
 
 def merge_partials(
@@ -125,6 +115,7 @@ class RingAttention:
         """
         chunk = q.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        attend = select_dense_kernel(ChunkCall.of(q)).impl
         qt = q.transpose(1, 2)
         kv = torch.stack([k, v]).contiguous()
         out = lse = None
@@ -136,7 +127,7 @@ class RingAttention:
             if valid > 0:
                 keys = kv[0, :, :valid].transpose(1, 2)
                 values = kv[1, :, :valid].transpose(1, 2)
-                part, part_lse = attention_with_lse(qt, keys, values, scale)
+                part, part_lse = attend(qt, keys, values, scale)
                 out, lse = merge_partials(out, lse, part, part_lse)
             if step + 1 < self.degree:
                 for op in ops:
@@ -181,11 +172,13 @@ class RingAttention:
             first_frame_sink: as in :func:`liteboost.ops.sparse_attention`.
             tile: as in :func:`liteboost.ops.sparse_attention`.
             scale: softmax scale (default 1 / sqrt(D)).
-            kernel: the per-chunk kernel, both returning the log-sum-exp the merge needs:
-                "cpu" (the fused C++ kernel; it falls back to block gather itself where it
-                cannot be built or autograd records), "gather" (block gather), or None: "cpu"
-                for CPU tensors, "gather" elsewhere. The fused kernel measured faster than
-                block gather per chunk (``benchmarks/ring_sparse.py``).
+            kernel: force a per-chunk kernel of
+                ``liteboost.parallel.ring_kernels.RING_SPARSE_KERNELS`` by name: "cpu" (the
+                fused C++ kernel; it falls back to block gather itself where it cannot be built
+                or autograd records), "gather" (block gather) or a registered plug-in; None lets
+                the registry choose ("cpu" for CPU tensors, "gather" elsewhere). The fused
+                kernel measured faster than block gather per chunk
+                (``benchmarks/ring_sparse.py``).
 
         Returns:
             [B, N, L, D] in ``q``'s dtype, this rank's chunk in tile order (pad rows: zeros or
@@ -193,8 +186,13 @@ class RingAttention:
 
         After the call, ``attended_blocks`` holds the (query block, key block) pairs this rank
         computed: exactly the kept pairs of its query blocks.
+
+        Raises:
+            ValueError: a chunk that is not whole blocks, or a sequence that does not fit the
+                chunks; ``npu_core.plugins.PluginError`` (a ValueError) for an unknown
+                ``kernel`` or one that does not take the chunks' device and dtype.
         """
-        attend = _chunk_kernel(kernel, q.device)
+        attend = select_sparse_kernel(ChunkCall.of(q), kernel).impl
         q_block, kv_block = block_shape(block_size)
         chunk = q.shape[2]
         if chunk % q_block or chunk % kv_block:
@@ -259,28 +257,6 @@ class RingAttention:
         if out is None:
             return torch.zeros_like(q)
         return out.to(q.dtype)
-
-
-_CHUNK_KERNELS = {
-    "cpu": fused_cpu_block_sparse_attention_with_lse,
-    "gather": block_sparse_attention_with_lse,
-}
-
-
-def _chunk_kernel(
-    kernel: str | None, device: torch.device
-) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The sparse ring's per-chunk kernel (out, log-sum-exp) for ``kernel`` on ``device``."""
-    if kernel is None:
-        kernel = "cpu" if device.type == "cpu" else "gather"
-    if kernel not in _CHUNK_KERNELS:
-        raise ValueError(
-            f"kernel={kernel!r} for ring attention's chunks; use one of {sorted(_CHUNK_KERNELS)} "
-            "or None (cpu on CPU tensors, else gather)"
-        )
-    if kernel == "cpu" and device.type != "cpu":
-        raise ValueError(f"kernel='cpu' needs CPU tensors; got device {device}")
-    return _CHUNK_KERNELS[kernel]
 
 
 def tiled_chunk(
