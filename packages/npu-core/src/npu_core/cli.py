@@ -19,6 +19,7 @@ work with one line on stderr naming the key, the value and what is allowed, and 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
@@ -37,6 +38,7 @@ from typer.core import TyperGroup
 
 from npu_core import env
 from npu_core.config import ConfigError, StrictConfig, layer_tree, set_dotted
+from npu_core.dist.failure import describe
 
 try:  # typer 0.2x parses with its own copy of click, whose errors are not click's classes
     from typer._click import exceptions as click_errors
@@ -130,6 +132,35 @@ def fail(message: str, *, code: int = EXIT_USAGE) -> NoReturn:
     if env.launch_rank() == 0:
         typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+EXIT_FAILED = 1
+"""Exit code of work that started and failed."""
+
+
+@contextlib.contextmanager
+def rank_failures(log_dir: Path) -> Iterator[None]:
+    """Report a failed multi-rank job as one ``error:`` line; keep its traceback in ``log_dir``.
+
+    The line names the rank that failed first and the cause (out of memory, no space, a
+    signal, a stopped rank, or the exception's type and message) and points to
+    ``log_dir/rank<N>.log``, which holds the rank's whole traceback. Exit status 1. Used around
+    the launch of every multi-rank CLI, so that a failure reads the same everywhere.
+
+    Args:
+        log_dir: where the traceback is kept, normally ``<run folder>/logs``.
+    """
+    try:
+        yield
+    except (typer.Exit, typer.Abort, click_errors.ClickException):
+        raise  # the CLI's own exits and refusals are already one line
+    except Exception as exc:
+        failure = describe(exc)
+        try:
+            log: Path | None = failure.write(log_dir)
+        except OSError:  # e.g. the disk that filled up: the line alone must do
+            log = None
+        fail(failure.line(log), code=EXIT_FAILED)
 
 
 def run_app(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ import torch
 from npu_core import env
 from npu_core.device import comm_backend
 from npu_core.dist.launch import launch
+
 
 def is_torchrun() -> bool:
     """Whether this process is a rank started by torchrun (or anything setting its variables)."""

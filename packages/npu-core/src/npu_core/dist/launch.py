@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +43,24 @@ class RankFailedError(RuntimeError):
 
 class RankExitedError(RuntimeError):
     """A rank's process died without reporting a result (killed, crashed, ``os._exit``)."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        """The process's exit status: negative for the signal that killed it, as Popen's."""
+
+
+class RankStoppedError(RuntimeError):
+    """A rank's process is stopped (SIGSTOP, SIGTSTP, a debugger): alive, but it cannot run.
+
+    Its peers wait for it in a collective until their timeout; the error they then report is
+    a symptom, so the launcher names the stopped rank instead.
+    """
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class LaunchTimeoutError(TimeoutError):
@@ -267,10 +286,14 @@ def _collect(procs: list[Any], results: Any, timeout: float) -> list[Any]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             pending = sorted(set(range(len(procs))) - values.keys())
-            raise LaunchTimeoutError(
+            timed_out = LaunchTimeoutError(
                 f"ranks {pending} of {len(procs)} did not finish within {timeout:g} s "
                 "(a hang, a rank waiting for a peer that failed, or a timeout too short)"
             )
+            stopped = _stopped_rank(procs, values)
+            if stopped is not None:
+                raise stopped from timed_out
+            raise timed_out
         try:
             rank, status, payload = results.get(timeout=min(remaining, 0.2))
         except queue.Empty:
@@ -291,15 +314,39 @@ def _collect(procs: list[Any], results: Any, timeout: float) -> list[Any]:
 
 def _silently_dead(
     procs: list[Any], values: dict[int, Any], reporter: int
-) -> RankExitedError | None:
+) -> RankExitedError | RankStoppedError | None:
+    """The rank that caused ``reporter``'s failure, if another rank died or stopped first."""
     time.sleep(0.05)  # let the dying rank's exit status settle
     for rank, proc in enumerate(procs):
         if rank != reporter and rank not in values and proc.exitcode not in (None, 0):
             return RankExitedError(
                 f"rank {rank} exited with code {proc.exitcode} without reporting a result "
-                f"(rank {reporter} failed next, see the chained exception)"
+                f"(rank {reporter} failed next, see the chained exception)",
+                rank=rank,
+                exitcode=proc.exitcode,
+            )
+    return _stopped_rank(procs, values)
+
+
+def _stopped_rank(procs: list[Any], values: dict[int, Any]) -> RankStoppedError | None:
+    for rank, proc in enumerate(procs):
+        if rank not in values and proc.pid is not None and _is_stopped(proc.pid):
+            return RankStoppedError(
+                f"rank {rank} (pid {proc.pid}) is stopped (SIGSTOP, SIGTSTP or a debugger), "
+                "so its peers waited for it until the timeout",
+                rank=rank,
             )
     return None
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is in the stopped or traced state (Linux ``/proc``; False elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+    return stat.rpartition(")")[2].split()[:1] in (["T"], ["t"])
 
 
 def _check_exits(procs: list[Any], values: dict[int, Any], results: Any) -> None:
@@ -314,7 +361,9 @@ def _check_exits(procs: list[Any], values: dict[int, Any], results: Any) -> None
             return
         raise RankExitedError(
             f"rank {rank} exited with code {proc.exitcode} without reporting a result "
-            "(killed by a signal if negative, out of memory, or os._exit)"
+            "(killed by a signal if negative, out of memory, or os._exit)",
+            rank=rank,
+            exitcode=proc.exitcode,
         )
 
 
