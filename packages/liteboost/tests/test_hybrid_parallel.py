@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 import liteboost
-from liteboost.parallel.manager import resolve_degrees
+from liteboost.parallel.config import resolve_degrees
 from liteboost.parallel.vae_dp import choose_decode_mode
 from liteboost.tiny import build_tiny_pipeline, build_tiny_transformer, build_tiny_vae
+from npu_core.config import ConfigError
 from npu_core.dist import launch
 from packages.liteboost.tests.token_counts import forward_counting_tokens
 
@@ -225,9 +226,9 @@ def test_degrees_must_multiply_to_the_world_size():
         match=r"cfg_degree=2 x ulysses_degree=2 x ring_degree=2 = 8, but the world size is 4",
     ):
         resolve_degrees(4, 2, 2, 2)
-    with pytest.raises(ValueError, match="cfg_degree=3"):
+    with pytest.raises(ValueError, match=r"cfg_degree: .* less than or equal to 2 \(got 3\)"):
         resolve_degrees(6, 3, None, 1)
-    with pytest.raises(ValueError, match="ring_degree=0"):
+    with pytest.raises(ValueError, match=r"ring_degree: .* greater than or equal to 1 \(got 0\)"):
         resolve_degrees(2, 1, None, 0)
     with pytest.raises(ValueError, match="does not divide the world size 4"):
         resolve_degrees(4, 1, None, 3)
@@ -237,3 +238,35 @@ def test_parallel_manager_on_one_process_checks_degrees():
     """Without ranks every degree must be 1: asking for 2 says the product and the world size."""
     with pytest.raises(ValueError, match="world size 1"):
         liteboost.ParallelManager(build_tiny_transformer(), ring_degree=2)
+
+
+BAD_SETTINGS = [
+    ({"ulysses_degree": 0}, r"ulysses_degree: Input should be greater than or equal to 1"),
+    ({"ring_degree": True}, r"ring_degree: a boolean is not a number"),
+    ({"vae_mode": "diagonal"}, r"vae_mode: Input should be 'temporal' or 'spatial'"),
+    ({"vae_receptive_field": -1}, r"vae_receptive_field: Input should be greater than or equal"),
+    ({"pad_heads": "maybe"}, r"pad_heads: Input should be a valid boolean"),
+]
+
+
+@pytest.mark.parametrize(("settings", "match"), BAD_SETTINGS, ids=lambda x: str(x)[:30])
+def test_parallel_manager_refuses_a_bad_setting_naming_field_and_value(settings, match):
+    """Each bad argument is one ConfigError line (field, bound, the value given); the model is
+    left as it was."""
+    model = build_tiny_transformer()
+    before = dict(model.attn_processors)
+    with pytest.raises(ConfigError, match=match) as refused:
+        liteboost.ParallelManager(model, **settings)
+    assert f"(got {next(iter(settings.values()))!r})" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert dict(model.attn_processors) == before
+
+
+def test_parallel_manager_keeps_the_resolved_settings_apart_from_the_groups():
+    """One process: config is the validated settings, Ulysses resolved to the world size (1);
+    the run-time state holds no mesh and no groups."""
+    manager = liteboost.ParallelManager(build_tiny_vae(), vae_mode="spatial")
+    assert isinstance(manager.config, liteboost.ParallelConfig)
+    assert manager.config.ulysses_degree == 1 and manager.config.vae_mode == "spatial"
+    assert manager.runtime.config is manager.config and manager.runtime.world_size == 1
+    assert manager.mesh is None and manager.runtime.sp_group is None

@@ -17,7 +17,8 @@ from liteboost.models.registry import (
     supported_parallel,
 )
 from liteboost.ops import rain_fusion_attention, sparse_attention
-from liteboost.parallel.manager import ParallelConfig, ParallelManager
+from liteboost.parallel.config import ParallelConfig
+from liteboost.parallel.manager import ParallelManager
 
 __version__ = version("torchmind-liteboost")
 

@@ -233,7 +233,7 @@ def check_mesh(*, nproc: int | None, cfg: int, ulysses: int | None, ring: int) -
     ``nproc`` is None under torchrun, where the world size is known only inside the ranks (the
     manager checks there).
     """
-    from liteboost.parallel.manager import resolve_degrees
+    from liteboost.parallel.config import resolve_degrees
 
     if nproc is None:
         return

@@ -51,7 +51,11 @@ def register_boost(class_name: str) -> Callable[[PlanFn], PlanFn]:
 
 
 def register_parallel(class_name: str) -> Callable[[ParallelPlanFn], ParallelPlanFn]:
-    """Register ``fn(model, settings) -> Handle | None`` as the parallel plan of ``class_name``."""
+    """Register ``fn(model, runtime) -> Handle | None`` as the parallel plan of ``class_name``.
+
+    ``runtime`` is a ``liteboost.parallel.ParallelRuntime``: the resolved ``ParallelConfig``
+    plus the mesh and this rank's process groups.
+    """
     return _register(_PARALLEL, "parallel", class_name)
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
     from liteboost.boost import BoostConfig
-    from liteboost.parallel.manager import ParallelConfig
+    from liteboost.parallel.manager import ParallelRuntime
     from liteboost.parallel.wan import WanParallelHandle
 
 # Wan builds WanRotaryPosEmbed with its default theta.
@@ -84,11 +84,11 @@ def boost_wan_transformer(model: Any, config: BoostConfig) -> _WanBoostHandle:
 
 
 @register_parallel("WanTransformer3DModel")
-def parallelize_wan_transformer(model: Any, config: ParallelConfig) -> WanParallelHandle | None:
+def parallelize_wan_transformer(model: Any, runtime: ParallelRuntime) -> WanParallelHandle | None:
     """CFG x Ring x Ulysses on the transformer (``liteboost.parallel.wan``); None when all are 1."""
     from liteboost.parallel.wan import parallelize_transformer
 
-    return parallelize_transformer(model, config)
+    return parallelize_transformer(model, runtime)
 
 
 @dataclass
@@ -101,16 +101,17 @@ class _VaeHandle:
 
 
 @register_parallel("AutoencoderKLWan")
-def parallelize_wan_vae(vae: Any, config: ParallelConfig) -> _VaeHandle | None:
-    """Temporal DP decode and encode over ``config.group_for_vae``; None when off or on one rank."""
-    if not config.vae_parallel or config.world_size <= 1:
+def parallelize_wan_vae(vae: Any, runtime: ParallelRuntime) -> _VaeHandle | None:
+    """DP decode and encode over every rank of the default group; None when off or on one rank."""
+    config = runtime.config
+    if not config.vae_parallel or runtime.world_size <= 1:
         return None
     from diffusers.models.autoencoders.vae import DecoderOutput, DiagonalGaussianDistribution
     from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
     stock_decode = type(vae).decode.__get__(vae)
     stock_encode = type(vae).encode.__get__(vae)
-    group, field_override = config.group_for_vae, config.vae_receptive_field
+    group, field_override = None, config.vae_receptive_field
 
     def decode(z: torch.Tensor, return_dict: bool = True) -> DecoderOutput | tuple[torch.Tensor]:
         frames = vae_dp.parallel_decode(

@@ -1,6 +1,7 @@
 """Multi-rank inference: CFG x Ring x Ulysses transformer, spatial or temporal VAE decode."""
 
-from liteboost.parallel.manager import ParallelConfig, ParallelManager, resolve_degrees
+from liteboost.parallel.config import ParallelConfig, resolve_degrees
+from liteboost.parallel.manager import ParallelManager, ParallelRuntime
 from liteboost.parallel.ring import (
     RingAttention,
     attention_with_lse,
@@ -30,6 +31,7 @@ __all__ = [
     "HaloExchange",
     "ParallelConfig",
     "ParallelManager",
+    "ParallelRuntime",
     "RingAttention",
     "SequenceParallel",
     "UlyssesExchange",

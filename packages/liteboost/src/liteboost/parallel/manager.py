@@ -1,59 +1,47 @@
-"""ParallelManager: turn a model or pipeline into its multi-rank form in place."""
+"""ParallelManager: turn a model or pipeline into its multi-rank form in place.
+
+The user's settings are a :class:`liteboost.parallel.config.ParallelConfig`; the mesh and the
+process groups built from them are a :class:`ParallelRuntime`, which the parallel plans receive.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from liteboost._components import components
 from liteboost.models.registry import Handle, find_parallel, supported_parallel, unsupported
+from liteboost.parallel.config import ParallelConfig
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Resolved multi-rank settings.
+class ParallelRuntime:
+    """What the parallel plans receive: the resolved settings and this rank's process groups.
 
     Attributes:
+        config: the settings, ``ulysses_degree`` resolved for the world size.
         world_size: ranks in the default process group (1 without one).
-        ulysses_degree: ranks sharing one sequence through Ulysses all-to-alls (heads split).
-        vae_parallel: split VAE decode / encode across the ranks.
-        pad_heads: allow head counts not divisible by the degree by padding zero heads.
-        group: the Ulysses process group (None = default group when it spans every rank).
-        group_for_vae: the VAE process group (None = default group).
-        vae_receptive_field: override of the computed causal overlap (None = exact).
-        cfg_degree: 1, or 2 to run the conditional and unconditional branches on different ranks.
-        ring_degree: ranks sharing one sequence through ring attention (K/V passed around).
         mesh: the named DeviceMesh ("cfg", "ring", "ulysses"); None on one rank.
-        cfg_group: ranks holding the same sequence shard of the two CFG branches.
+        ulysses_group: this rank's Ulysses group.
         ring_group: this rank's ring.
+        cfg_group: ranks holding the same sequence shard of the two CFG branches.
         sp_group: every rank sharing this rank's sequence (ring x ulysses).
-        pipeline: the pipeline the manager was given (CFG parallel reads whether guidance is on).
-        vae_mode: VAE decode split: "temporal", "spatial" or None (by shape).
+        pipeline: the pipeline the manager was given (CFG parallel reads whether guidance is
+            on); None for a bare model.
     """
 
+    config: ParallelConfig
     world_size: int
-    ulysses_degree: int
-    vae_parallel: bool
-    pad_heads: bool = True
-    group: dist.ProcessGroup | None = None
-    group_for_vae: dist.ProcessGroup | None = None
-    vae_receptive_field: int | None = None
-    cfg_degree: int = 1
-    ring_degree: int = 1
     mesh: object | None = None
-    cfg_group: dist.ProcessGroup | None = None
+    ulysses_group: dist.ProcessGroup | None = None
     ring_group: dist.ProcessGroup | None = None
+    cfg_group: dist.ProcessGroup | None = None
     sp_group: dist.ProcessGroup | None = None
     pipeline: object | None = None
-    vae_mode: str | None = None
-
-    @property
-    def sequence_degree(self) -> int:
-        """Ranks sharing one sequence: ``ring_degree * ulysses_degree``."""
-        return self.ring_degree * self.ulysses_degree
 
 
 def _world_size() -> int:
@@ -62,49 +50,12 @@ def _world_size() -> int:
     return 1
 
 
-def _check_degree(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    return value
-
-
-def resolve_degrees(
-    world: int, cfg_degree: int, ulysses_degree: int | None, ring_degree: int
-) -> tuple[int, int, int]:
-    """``(cfg, ulysses, ring)`` with product ``world``; ``ulysses_degree=None`` takes the rest.
-
-    Raises:
-        ValueError: a degree below 1, ``cfg_degree`` other than 1 or 2, or a product that is not
-            the world size (the message names every degree and the world size).
-    """
-    cfg = _check_degree("cfg_degree", cfg_degree)
-    ring = _check_degree("ring_degree", ring_degree)
-    if cfg > 2:
-        raise ValueError(
-            f"cfg_degree={cfg}: use 1 or 2 (two branches: conditional and unconditional)"
-        )
-    if ulysses_degree is None:
-        if world % (cfg * ring):
-            raise ValueError(
-                f"cfg_degree={cfg} x ring_degree={ring} does not divide the world size {world}"
-            )
-        ulysses = world // (cfg * ring)
-    else:
-        ulysses = _check_degree("ulysses_degree", ulysses_degree)
-    if cfg * ulysses * ring != world:
-        raise ValueError(
-            f"cfg_degree={cfg} x ulysses_degree={ulysses} x ring_degree={ring} = "
-            f"{cfg * ulysses * ring}, but the world size is {world}: the product must equal it"
-        )
-    return cfg, ulysses, ring
-
-
 def _device_type() -> str:
     backend = str(dist.get_backend()).lower()
     return {"nccl": "cuda", "hccl": "npu"}.get(backend, "cpu")
 
 
-def _build_mesh(cfg: int, ulysses: int, ring: int) -> dict:
+def _build_mesh(cfg: int, ulysses: int, ring: int) -> dict[str, Any]:
     """The named mesh ("cfg", "ring", "ulysses"; Ulysses innermost) and this rank's groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -124,7 +75,7 @@ def _build_mesh(cfg: int, ulysses: int, ring: int) -> dict:
         "mesh": mesh,
         "cfg_group": mesh.get_group("cfg"),
         "ring_group": mesh.get_group("ring"),
-        "group": mesh.get_group("ulysses"),
+        "ulysses_group": mesh.get_group("ulysses"),
         "sp_group": sp_group,
     }
 
@@ -161,10 +112,16 @@ class ParallelManager:
             with halo exchange, equal to float rounding) or None to pick by shape. Encode is
             always temporal.
 
+    Attributes:
+        config: the validated settings, ``ulysses_degree`` resolved for the world size.
+        runtime: the settings plus the mesh and this rank's process groups.
+
     Raises:
         UnsupportedModelError: nothing in ``model_or_pipeline`` is supported; lists what is.
-        ValueError: unusable degrees (the message names them and the world size), or
-            ``cfg_degree=2`` without a pipeline.
+        npu_core.config.ConfigError: (a ValueError) a setting out of range, naming the field,
+            the value and what is allowed.
+        ValueError: degrees whose product is not the world size (the message names them and
+            the world size), or ``cfg_degree=2`` without a pipeline.
     """
 
     def __init__(
@@ -179,10 +136,21 @@ class ParallelManager:
         ring_degree: int = 1,
         vae_mode: str | None = None,
     ) -> None:
-        if vae_mode not in (None, "temporal", "spatial"):
-            raise ValueError(f"vae_mode={vae_mode!r}; use 'temporal', 'spatial' or None (by shape)")
+        settings = ParallelConfig.validate_tree(
+            {
+                "cfg_degree": cfg_degree,
+                "ulysses_degree": ulysses_degree,
+                "ring_degree": ring_degree,
+                "vae_parallel": vae_parallel,
+                "pad_heads": pad_heads,
+                "vae_receptive_field": vae_receptive_field,
+                "vae_mode": vae_mode,
+            }
+        )
         world = _world_size()
-        cfg, ulysses, ring = resolve_degrees(world, cfg_degree, ulysses_degree, ring_degree)
+        self.config = settings.resolve(world)
+        cfg, ring = self.config.cfg_degree, self.config.ring_degree
+        ulysses = settings.ulysses_for(world)
         is_module = isinstance(model_or_pipeline, torch.nn.Module)
         if cfg > 1 and is_module:
             raise ValueError(
@@ -191,16 +159,10 @@ class ParallelManager:
                 "runs the unconditional branch at each step"
             )
         groups = _build_mesh(cfg, ulysses, ring) if world > 1 else {}
-        self.config = ParallelConfig(
-            world_size=world,
-            ulysses_degree=ulysses,
-            vae_parallel=vae_parallel,
-            pad_heads=pad_heads,
-            vae_receptive_field=vae_receptive_field,
-            cfg_degree=cfg,
-            ring_degree=ring,
+        self.runtime = ParallelRuntime(
+            self.config,
+            world,
             pipeline=None if is_module else model_or_pipeline,
-            vae_mode=vae_mode,
             **groups,
         )
         self.handles: dict[str, Handle] = {}
@@ -210,7 +172,7 @@ class ParallelManager:
             raise unsupported(model_or_pipeline, "parallel", supported_parallel())
         try:
             for name, module, plan in targets:
-                handle = plan(module, self.config)
+                handle = plan(module, self.runtime)
                 if handle is not None:
                     self.handles[name] = handle
         except BaseException:
@@ -220,7 +182,7 @@ class ParallelManager:
     @property
     def mesh(self) -> object | None:
         """The named DeviceMesh ("cfg", "ring", "ulysses"), None on a single process."""
-        return self.config.mesh
+        return self.runtime.mesh
 
     @property
     def parallelized(self) -> list[str]:

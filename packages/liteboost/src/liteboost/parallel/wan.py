@@ -49,7 +49,7 @@ from liteboost.parallel.sequence import SequenceParallel
 from liteboost.parallel.ulysses import TokenShards
 
 if TYPE_CHECKING:
-    from liteboost.parallel.manager import ParallelConfig
+    from liteboost.parallel.manager import ParallelRuntime
 
 _CFG_HOOK = "liteboost.cfg"
 _SHARD_HOOK = "liteboost.sp_shard"
@@ -328,7 +328,7 @@ class WanParallelHandle:
         detach(model, "parallel")
 
 
-def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHandle | None:
+def parallelize_transformer(model: Any, runtime: ParallelRuntime) -> WanParallelHandle | None:
     """Sequence parallelism (Ulysses x Ring) and CFG parallel on a Wan transformer.
 
     Returns None when every degree is 1 (nothing to do).
@@ -337,13 +337,15 @@ def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHa
         ValueError: CFG parallel for a pipeline without ``do_classifier_free_guidance``, or
             head padding refused (``pad_heads=False``) for a degree that does not divide the heads.
     """
-    sequence = config.ulysses_degree * config.ring_degree > 1
+    config = runtime.config
+    ulysses_degree = config.ulysses_for(runtime.world_size)
+    sequence = ulysses_degree * config.ring_degree > 1
     cfg = config.cfg_degree > 1
     if not sequence and not cfg:
         return None
-    if cfg and not hasattr(type(config.pipeline), "do_classifier_free_guidance"):
+    if cfg and not hasattr(type(runtime.pipeline), "do_classifier_free_guidance"):
         raise ValueError(
-            f"cfg_degree={config.cfg_degree}: {type(config.pipeline).__name__} has no "
+            f"cfg_degree={config.cfg_degree}: {type(runtime.pipeline).__name__} has no "
             "do_classifier_free_guidance; CFG parallel supports diffusers' Wan pipelines"
         )
     cached = getattr(model, "_liteboost_cache", None)
@@ -355,9 +357,9 @@ def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHa
     handle = WanParallelHandle(model, sequence=sequence, cfg=cfg)
     if sequence:
         sp = SequenceParallel(
-            config.sp_group,
-            config.group if config.ulysses_degree > 1 else None,
-            config.ring_group if config.ring_degree > 1 else None,
+            runtime.sp_group,
+            runtime.ulysses_group if ulysses_degree > 1 else None,
+            runtime.ring_group if config.ring_degree > 1 else None,
             model.config.num_attention_heads,
             config.pad_heads,
         )
@@ -378,7 +380,7 @@ def parallelize_transformer(model: Any, config: ParallelConfig) -> WanParallelHa
             HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, _BLOCK_HOOK)
     if cfg:
         out_channels = model.config.out_channels or model.config.in_channels
-        cfg_hook = CfgParallelHook(config.cfg_group, config.pipeline, out_channels)
+        cfg_hook = CfgParallelHook(runtime.cfg_group, runtime.pipeline, out_channels)
         registry = HookRegistry.check_if_exists_or_initialize(model)
         registry.register_hook(cfg_hook, _CFG_HOOK)
         registry.invalidate_child_registries_cache()
