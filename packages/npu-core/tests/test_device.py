@@ -67,3 +67,16 @@ def test_synchronizer_is_the_device_modules_own_or_a_no_op():
     assert device.synchronizer(torch.device("meta"))() is None
     if torch.cuda.is_available():
         assert device.synchronizer("cuda:0") is torch.cuda.synchronize
+
+
+def test_check_comm_backend_refuses_unknown_and_unusable_backends():
+    from npu_core.device import check_comm_backend
+
+    check_comm_backend("gloo")  # built into every torch this project supports, needs no device
+    with pytest.raises(ValueError, match=r"unknown collective backend 'mpi2'; use one of: hccl"):
+        check_comm_backend("mpi2")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"'nccl' cannot run here .*usable here: gloo"):
+            check_comm_backend("nccl")
+    else:
+        check_comm_backend("nccl")

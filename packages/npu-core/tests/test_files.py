@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,28 @@ def test_sha256_file_equals_hashlib_on_the_whole_content(tmp_path):
     data = bytes(range(256)) * 5000
     (tmp_path / "blob").write_bytes(data)
     assert sha256_file(tmp_path / "blob") == hashlib.sha256(data).hexdigest()
+
+
+def test_check_writable_folder_accepts_new_and_existing_folders_and_creates_nothing(tmp_path):
+    from npu_core.files import check_writable_folder
+
+    check_writable_folder(tmp_path)
+    check_writable_folder(tmp_path / "new" / "deeper")
+    assert list(tmp_path.iterdir()) == []  # neither the folders nor the probe file are left
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda base: base / "notes.txt", "is a file; expected a folder"),
+        (lambda base: base / "notes.txt" / "out", "cannot be created: .*notes.txt is a file"),
+        # /proc takes no new files, whoever asks (the tests may run as root)
+        (lambda base: Path("/proc/out"), "is not writable .*/proc failed"),
+    ],
+)
+def test_check_writable_folder_refuses_what_cannot_hold_outputs(tmp_path, make, message):
+    from npu_core.files import UnwritableFolderError, check_writable_folder
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UnwritableFolderError, match=message):
+        check_writable_folder(make(tmp_path))

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -26,7 +27,9 @@ from mccl import env
 from mccl.api import init_process_group as mccl_init_process_group
 from npu_core.bench import BenchTable
 from npu_core.config import StrictConfig
+from npu_core.device import check_comm_backend
 from npu_core.dist import LOOPBACK, find_free_port, launch
+from npu_core.files import UnwritableFolderError, check_writable_folder
 
 MODES = ("sync", "mccl")
 
@@ -201,6 +204,23 @@ class StartupResult:
         """mccl <= max(its init, device) + 10%; >= 1.5x faster than sync when phases are alike."""
         comparable = 0.5 <= self.device_s / self.init_s <= 2.0
         return self.overlap_ratio <= 1.10 and (not comparable or self.speedup >= 1.5)
+
+
+def preflight(cfg: StartupBenchConfig, out: Path) -> None:
+    """Refuse, before any rank starts, what would fail inside every rank or at the end.
+
+    Raises:
+        ValueError: the backend cannot run here, or ``out`` cannot hold the results; the
+            message names the option.
+    """
+    try:
+        check_comm_backend(cfg.backend)
+    except ValueError as exc:
+        raise ValueError(f"--backend {cfg.backend}: {exc}") from None
+    try:
+        check_writable_folder(out)
+    except UnwritableFolderError as exc:
+        raise ValueError(f"--out {exc}") from None
 
 
 def measure_startup(

@@ -7,8 +7,8 @@ import typer
 from rich.console import Console
 from rich.markdown import Markdown
 
-from mccl.bench import StartupBenchConfig, measure_startup, results_table
-from npu_core.cli import HelpGroup, config_options, fail, run_app
+from mccl.bench import StartupBenchConfig, measure_startup, preflight, results_table
+from npu_core.cli import HelpGroup, config_options, fail, rank_failures, run_app
 from npu_core.config import ConfigError
 
 app = typer.Typer(
@@ -48,7 +48,11 @@ def bench(
             config = StartupBenchConfig.validate_tree(config.model_dump() | {"ranks": ranks})
         except ConfigError as exc:
             fail(str(exc))
-    with console.status("starting ranks") as status:
+    try:
+        preflight(config, out)
+    except ValueError as exc:
+        fail(str(exc))
+    with rank_failures(out / "logs"), console.status("starting ranks") as status:
         results = measure_startup(
             config, progress=lambda n: status.update(f"measuring {n} ranks on loopback")
         )

@@ -93,6 +93,34 @@ def comm_backend(backend: Backend | str | None = None) -> CommBackend:
     return _COMM_FOR[Backend(backend) if backend is not None else detect_backend()]
 
 
+def check_comm_backend(name: str) -> None:
+    """Raise ValueError unless the collective backend ``name`` can run in this process.
+
+    Checked before any rank starts: a backend that is unknown, not built into this torch, or
+    without its device (nccl without a CUDA device) would otherwise fail inside every rank.
+    """
+    known = ", ".join(member.value for member in CommBackend)
+    try:
+        backend = CommBackend(name)
+    except ValueError:
+        raise ValueError(f"unknown collective backend {name!r}; use one of: {known}") from None
+    if not _comm_usable(backend):
+        usable = ", ".join(b.value for b in CommBackend if _comm_usable(b))
+        device = {value: key for key, value in _COMM_FOR.items()}[backend]
+        raise ValueError(
+            f"collective backend {name!r} cannot run here (no {device} device, or not built "
+            f"into this torch); usable here: {usable}"
+        )
+
+
+def _comm_usable(backend: CommBackend) -> bool:
+    if backend is CommBackend.GLOO:
+        return torch.distributed.is_gloo_available()
+    if backend is CommBackend.NCCL:
+        return torch.distributed.is_nccl_available() and is_available(Backend.CUDA)
+    return is_available(Backend.NPU)  # hccl: torch_npu registers it with its devices
+
+
 def device_module(backend: Backend | str | None = None) -> ModuleType | None:
     """``torch.npu`` or ``torch.cuda`` for an accelerator backend, None for the CPU."""
     backend = Backend(backend) if backend is not None else detect_backend()

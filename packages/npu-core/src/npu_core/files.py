@@ -59,3 +59,34 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+class UnwritableFolderError(ValueError):
+    """A folder meant for outputs is a file, or cannot be created or written here."""
+
+
+def check_writable_folder(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`UnwritableFolderError` unless outputs can be written into ``path``.
+
+    Run before any work, so that a run that cannot keep its results is refused at once instead
+    of failing at the end. Creates nothing: a missing folder is judged by the nearest existing
+    folder above it, where a probe file is created and removed again. The message starts with
+    the path; callers put the option's name in front (``--out /proc/x: ...``).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UnwritableFolderError(f"{path} is a file; expected a folder for the outputs")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UnwritableFolderError(f"{path} cannot be created: {existing} is a file")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-probe-")
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UnwritableFolderError(
+            f"{path} is not writable (creating a file in {existing} failed: {reason})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
