@@ -184,3 +184,18 @@ def test_hybrid_needs_an_optimizer():
     """Two empty sides are refused."""
     with pytest.raises(ValueError, match="at least one"):
         HybridOptimizer(None, None)
+
+
+@pytest.mark.parametrize(
+    ("adamw", "message"),
+    [
+        ({"lr": float("inf")}, r"adamw: lr=inf is invalid; it must be finite"),
+        ({"eps": float("nan")}, r"adamw: eps=nan is invalid; it must be finite"),
+        ({"betas": (0.9, float("inf"))}, r"adamw: betas=\(0.9, inf\) is invalid"),
+        ({"weight_decay": "0.1"}, r"adamw: weight_decay='0.1' is invalid; it must be a number"),
+    ],
+)
+def test_non_finite_adamw_settings_are_refused_before_training(adamw, message):
+    """torch.optim.AdamW accepts lr=inf, and the first step then makes every weight non-finite."""
+    with pytest.raises(ValueError, match=message):
+        get_hyper_optimizer(_model(), adamw=adamw)

@@ -6,6 +6,7 @@ their own state, and their param groups are shared (same dicts) so LR schedulers
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -191,6 +192,22 @@ def route_parameters(model: nn.Module, classify: Classifier | None = None) -> di
     return routing
 
 
+def _check_adamw(kwargs: dict[str, Any]) -> None:
+    """Refuse non-finite AdamW hyperparameters, which torch.optim.AdamW accepts."""
+    for key in ("lr", "eps", "weight_decay", "betas"):
+        if key not in kwargs:
+            continue
+        value = kwargs[key]
+        numbers = value if isinstance(value, tuple | list) else (value,)
+        for number in numbers:
+            if isinstance(number, Tensor):
+                number = number.item() if number.numel() == 1 else math.nan
+            if isinstance(number, bool) or not isinstance(number, int | float):
+                raise ValueError(f"adamw: {key}={value!r} is invalid; it must be a number")
+            if not math.isfinite(number):
+                raise ValueError(f"adamw: {key}={value!r} is invalid; it must be finite")
+
+
 def get_hyper_optimizer(
     model: nn.Module,
     muon: dict[str, Any] | None = None,
@@ -211,7 +228,9 @@ def get_hyper_optimizer(
         The combined optimizer; a side with no parameters is None.
 
     Raises:
-        ValueError: ``model`` has no parameters, or ``classify`` returned an invalid route.
+        ValueError: ``model`` has no parameters, ``classify`` returned an invalid route, or a
+            hyperparameter is out of range (AdamW's own checks let ``lr=inf`` through, which
+            turns every weight non-finite at the first step).
     """
     routing = route_parameters(model, classify)
     if not routing:
@@ -220,6 +239,7 @@ def get_hyper_optimizer(
     sides: dict[str, list[tuple[str, Tensor]]] = {route: [] for route in _ROUTES}
     for name, route in routing.items():
         sides[route].append((name, params[name]))
+    _check_adamw(adamw or {})
     muon_opt = Muon(sides["muon"], **(muon or {})) if sides["muon"] else None
     adamw_opt = torch.optim.AdamW(sides["adamw"], **(adamw or {})) if sides["adamw"] else None
     return HybridOptimizer(muon_opt, adamw_opt, routing)

@@ -184,6 +184,9 @@ class Muon(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             label = repr(names[i]) if names else f"{i} of param group {index}"
             _check_param(p, label)
+        if len({_is_dtensor(p) for g in self.param_groups for p in g["params"]}) > 1:
+            self.param_groups.pop()
+            raise ValueError(_MIXED_PARAMS)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -261,10 +264,7 @@ class Muon(torch.optim.Optimizer):
         # engine: Newton-Schulz on local shards would give wrong updates.
         if self._engine is None and any(_is_dtensor(p) for p in params):
             if not all(_is_dtensor(p) for p in params):
-                raise ValueError(
-                    "Muon got both DTensor and plain tensor parameters; use one optimizer for "
-                    "the sharded parameters and another for the rest"
-                )
+                raise ValueError(_MIXED_PARAMS)
             from hyperparallel.optim.distributed import ShardedNewtonSchulz
 
             # Several communication batches let batch k + 1's gather overlap batch k's NS.
@@ -333,6 +333,12 @@ class Muon(torch.optim.Optimizer):
         step = adjusted_lr(lr, group["adjust_lr"], rows, cols, group["matched_adamw_rms"])
         entry.param.mul_(1 - lr * group["weight_decay"])
         entry.param.add_(update, alpha=-step)
+
+
+_MIXED_PARAMS = (
+    "Muon got both DTensor and plain tensor parameters; use one optimizer for the sharded "
+    "parameters and another for the rest"
+)
 
 
 def _check_group_hyperparameters(group: dict[str, Any], where: str) -> None:
