@@ -1,7 +1,8 @@
 """The output head + cross-entropy at a real vocabulary: chunked versus plain logits.
 
-``chunked_linear_cross_entropy(hidden, weight, target)`` (hyperparallel's head loss: row chunks,
-gradients folded in during forward, no ``[tokens, vocab]`` logits kept) against the plain
+``chunked_linear_cross_entropy(hidden, weight, target)`` (hyperparallel's head loss, computed by
+``npu_core.chunked_ce``: row chunks, no ``[tokens, vocab]`` logits kept, each chunk's logits
+recomputed in backward) against the plain
 ``F.cross_entropy(hidden @ weight.T, target)`` that a transformers model computes, at Qwen3's
 vocabulary (151,936) and a few token counts. One process, fp32, forward + backward of the loss
 with gradients for ``hidden`` and ``weight``.

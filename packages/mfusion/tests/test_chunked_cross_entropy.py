@@ -92,30 +92,6 @@ def _decisions() -> list:
     return [d for g in mfusion.report() for d in g.decisions if d.pass_name == NAME]
 
 
-def test_chunked_ops_equal_eager_cross_entropy_for_any_chunk():
-    """The custom ops alone: loss and the three gradients of F.linear + F.cross_entropy."""
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(23, WIDTH, generator=gen, requires_grad=True)
-    weight = torch.randn(VOCAB, WIDTH, generator=gen, requires_grad=True)
-    bias = torch.randn(VOCAB, generator=gen, requires_grad=True)
-    target = _targets((23,), VOCAB)
-    loss = F.cross_entropy(F.linear(hidden, weight, bias), target)
-    expected = torch.autograd.grad(loss * 0.7, [hidden, weight, bias])
-    ops = torch.ops.mfusion
-    for rows in (1, 5, 23, 64):
-        args = (hidden.detach(), weight.detach().t(), bias.detach(), target, -100, rows)
-        got, lse = ops.chunked_ce_forward(*args)
-        torch.testing.assert_close(got, loss.detach())
-        torch.testing.assert_close(lse, torch.logsumexp(F.linear(hidden, weight, bias).detach(), 1))
-        grads = ops.chunked_ce_backward(torch.tensor(0.7), *args[:4], lse, -100, rows, True, True)
-        for g, e in zip(grads, expected, strict=True):
-            torch.testing.assert_close(g, e)
-    everything_ignored = torch.full((23,), -100)
-    got, _ = ops.chunked_ce_forward(hidden, weight.t(), None, everything_ignored, -100, 5)
-    eager = F.cross_entropy(hidden @ weight.t(), everything_ignored)
-    assert torch.isnan(got) and torch.isnan(eager)  # 0 / 0, as eager
-
-
 def test_chunk_rows_bound_one_chunk_of_logits():
     assert chunk_rows(32000, 64 << 20) == (64 << 20) // (4 * 32000)
     assert chunk_rows(200_000, 1024) == 1  # never zero rows

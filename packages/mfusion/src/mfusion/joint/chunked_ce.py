@@ -6,9 +6,10 @@ logits and autograd saves their log-softmax for backward: 8k tokens x 152k vocab
 5 GB, more than every other activation. Post-grad passes run after AOTAutograd's partitioner has
 decided what is saved, too late to change it; in the joint graph the forward and backward are
 still one graph, so the pass replaces the head GEMM, log-softmax and NLL (forward) and the NLL and
-log-softmax backward with the head's gradient GEMMs (backward) by ``mfusion::chunked_ce_forward``
-and ``mfusion::chunked_ce_backward`` (:mod:`mfusion.joint.chunked_ce_ops`). The partitioner that
-runs next saves only the hidden states, the weight, the targets and a ``[tokens]`` log-sum-exp.
+log-softmax backward with the head's gradient GEMMs (backward) by ``npu_core::chunked_ce_forward``
+and ``npu_core::chunked_ce_backward`` (:mod:`npu_core.chunked_ce`, which computes them; this module
+only matches and rewrites). The partitioner that runs next saves only the hidden states, the
+weight, the targets and a ``[tokens]`` log-sum-exp.
 
 What is matched is the joint graph as Inductor's decompositions spell it (``log_softmax`` as
 amax/sub/exp/sum/log/sub, ``nll_loss_forward`` as gather/where/sum/div by the valid count, their
@@ -36,7 +37,6 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mfusion.config import MFusionConfig
-from mfusion.joint import chunked_ce_ops
 from mfusion.passes._graph import (
     CONVERT,
     aten,
@@ -48,6 +48,7 @@ from mfusion.passes._graph import (
 )
 from mfusion.passes.base import Refusal
 from mfusion.report import Decision, GraphReport, new_graph_report
+from npu_core import chunked_ce
 
 NAME = "chunked_cross_entropy"
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
@@ -368,10 +369,12 @@ def rewrite(found: _Match, chunk_bytes: int) -> str:
     """Replace the loss and the head's gradients by the chunked ops; returns what it became."""
     graph = found.loss.graph
     rows = chunk_rows(found.vocab, chunk_bytes)
-    common = (found.hidden, found.weight_t, found.bias, found.target)
+    # the ops' options after the tensors: mean reduction (matched), no softcap
+    options = (found.ignore_index, "mean", None, rows)
     with graph.inserting_before(found.loss):
-        fwd = _call(graph, torch.ops.mfusion.chunked_ce_forward.default, *common,
-                    found.ignore_index, rows)  # fmt: skip
+        weight = _call(graph, aten.permute.default, found.weight_t, [1, 0])  # [V, H], a view
+        common = (found.hidden, weight, found.bias, found.target)
+        fwd = _call(graph, torch.ops.npu_core.chunked_ce_forward.default, *common, *options)
         loss = _call(graph, operator.getitem, fwd, 0)
         lse = _call(graph, operator.getitem, fwd, 1)
     found.loss.replace_all_uses_with(loss)
@@ -379,10 +382,9 @@ def rewrite(found: _Match, chunk_bytes: int) -> str:
     consumers = [n for n in (found.grad_hidden, found.grad_weight, found.grad_bias) if n]
     first = min(consumers, key=order.__getitem__)
     with graph.inserting_before(first):
-        bwd = _call(graph, torch.ops.mfusion.chunked_ce_backward.default,
-                    found.grad_loss, found.hidden, found.weight_t, found.bias, found.target, lse,
-                    found.ignore_index, rows, found.grad_hidden is not None,
-                    found.grad_weight is not None)  # fmt: skip
+        bwd = _call(graph, torch.ops.npu_core.chunked_ce_backward.default,
+                    found.grad_loss, *common, lse, *options, found.grad_hidden is not None,
+                    found.grad_weight is not None, found.grad_bias is not None)  # fmt: skip
         for index, old in enumerate((found.grad_hidden, found.grad_weight, found.grad_bias)):
             if old is None:
                 continue
@@ -425,9 +427,9 @@ class ChunkedCrossEntropyPass(CustomGraphPass):
         return record
 
     def uuid(self) -> str:
-        """Hash of this module, the ops module and the settings that change the rewrite."""
+        """Hash of this module, the ops' module and the settings that change the rewrite."""
         digest = hashlib.sha256()
-        for module in (__name__, chunked_ce_ops.__name__):
+        for module in (__name__, chunked_ce.__name__):
             digest.update(inspect.getsource(sys.modules[module]).encode())
         digest.update(str(self.config.chunked_cross_entropy_bytes).encode())
         return digest.hexdigest()
