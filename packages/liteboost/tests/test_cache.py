@@ -7,10 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import (
+    FasterCacheConfig,
+    FirstBlockCacheConfig,
+    HookRegistry,
+    TaylorSeerCacheConfig,
+)
 
 import liteboost
-from liteboost.cache import cache_config, composes_with_sequence_parallel
+from liteboost.cache import (
+    BranchStates,
+    GroupFirstBlockHook,
+    cache_config,
+    composes_with_sequence_parallel,
+)
 from liteboost.tiny import build_tiny_pipeline, build_tiny_transformer
 
 CALL = dict(
@@ -60,6 +70,12 @@ def test_first_block_cache_skips_steps_and_stays_close(pipe, uncached, sparse):
         with liteboost.BoostManager(pipe, **boost):
             reference = _latents(pipe)
     with liteboost.BoostManager(pipe, cache="first_block", cache_threshold=0.3, **boost):
+        head, second = (
+            HookRegistry.check_if_exists_or_initialize(b) for b in pipe.transformer.blocks[:2]
+        )
+        group_hook = head.get_hook("fbc_leader_block_hook")
+        assert isinstance(group_hook, GroupFirstBlockHook), "the decision is not group-wide"
+        assert group_hook.state_manager is second.get_hook("fbc_block_hook").state_manager
         box = []
         calls = _ffn_calls(pipe, lambda: box.append(_latents(pipe)))
     cached = box[0]
@@ -183,6 +199,27 @@ def test_faster_cache_reuses_each_branchs_own_attention(pipe, uncached):
     rel = ((box[0] - uncached).norm() / uncached.norm()).item()
     assert 0 < rel < 0.1, rel
     assert torch.equal(_latents(pipe), uncached), "remove() must restore the stock pipeline"
+
+
+def test_branch_states_keep_one_state_per_cache_context_and_reset_all():
+    """What a FasterCache hook writes under "cond" is not seen under "uncond" nor outside a
+    context; reset() (diffusers resets stateful hooks after each pipeline call) clears all."""
+    from diffusers.hooks.faster_cache import FasterCacheBlockState
+    from diffusers.hooks.hooks import CacheContext, StateManager
+
+    manager = StateManager(FasterCacheBlockState)
+    state = BranchStates(manager, FasterCacheBlockState())
+    for name, iteration in [("cond", 3), ("uncond", 5), (None, 7)]:
+        manager.set_context(None if name is None else CacheContext(name))
+        assert state.iteration == 0, f"{name} saw another branch's state"
+        state.iteration += iteration
+    for name, iteration in [("cond", 3), ("uncond", 5), (None, 7)]:
+        manager.set_context(None if name is None else CacheContext(name))
+        assert state.iteration == iteration, name
+    state.reset()
+    for name in ("cond", "uncond", None):
+        manager.set_context(None if name is None else CacheContext(name))
+        assert state.iteration == 0 and state.cache is None, name
 
 
 def test_faster_cache_unconditional_shortcut_is_refused():

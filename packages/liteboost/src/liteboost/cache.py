@@ -14,7 +14,10 @@ reimplement any of them. What composing needs:
   residual. On a shard that is a different number on every rank, and ranks that disagree would
   deadlock in the next all-to-all. So liteboost replaces that one decision, per hook instance,
   by the same ratio over the whole sequence: sums of ``|r - r_prev|`` and ``|r_prev|`` over the
-  rank's real tokens (padding excluded), all-reduced over the sequence-parallel group.
+  rank's real tokens (padding excluded), all-reduced over the sequence-parallel group. It does
+  so through diffusers' public hook API: the first block's cache hook is replaced, under the
+  same hook name, by :class:`GroupFirstBlockHook` (a ``FBCHeadBlockHook`` sharing the cache's
+  state) whose forward is diffusers' own on one rank.
   Caches that decide from data in ways liteboost has not made group-wide (SeaCache, MagCache
   calibration) are refused under sequence parallelism instead of deadlocking.
 - FasterCache: diffusers' hooks keep one state per hook, not per ``cache_context``, and its
@@ -22,7 +25,9 @@ reimplement any of them. What composing needs:
   run the branches as two batch-1 calls, where that shortcut fails (IndexError in diffusers'
   ``faster_cache.py``) and the attention reuse mixes the branches (the cached "previous" output
   of the cond call is the uncond call's). liteboost gives every FasterCache hook one state per
-  ``cache_context`` name, so each branch reuses its own attention outputs, and accepts only
+  ``cache_context`` name (:class:`BranchStates` stands in for the hook's public ``state``, and
+  a ``StateManager`` attribute lets diffusers hand the hook the context), so each branch reuses
+  its own attention outputs, and accepts only
   ``is_guidance_distilled=True`` (attention reuse, no unconditional shortcut). Under CFG
   parallel the unconditional branch runs at the same time as the conditional one on the other
   rank, so approximating it would save no time anyway, only add error.
@@ -30,13 +35,17 @@ reimplement any of them. What composing needs:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
-from diffusers.hooks.hooks import BaseState, StateManager
+from diffusers.hooks import HookRegistry
+from diffusers.hooks.faster_cache import FasterCacheBlockHook, FasterCacheDenoiserHook
+from diffusers.hooks.first_block_cache import FBCHeadBlockHook
+from diffusers.hooks.hooks import StateManager
+from diffusers.models.attention import AttentionModuleMixin
+from diffusers.models.attention_processor import Attention
 
 from liteboost.models.wan_state import find_transformer_state, transformer_state
 
@@ -54,6 +63,8 @@ class _TimestepSource(Protocol):
 _FBC_HEAD_HOOK = "fbc_leader_block_hook"
 CACHE_NAMES = ("first_block", "pab", "taylorseer", "faster", "mag")
 _FASTER_HOOKS = ("faster_cache_denoiser", "faster_cache_block")
+# The module types FasterCache attaches its block hooks to (diffusers' public classes).
+_ATTENTION_CLASSES = (Attention, AttentionModuleMixin)
 
 
 def cache_config(
@@ -170,22 +181,53 @@ def check_composes(model: torch.nn.Module, config: object | None) -> None:
         )
 
 
-def _group_wide_first_block_decision(
-    hook: Any, model: torch.nn.Module
-) -> Callable[[torch.Tensor], bool]:
-    """Replacement for ``FBCHeadBlockHook._should_compute_remaining_blocks`` (see module doc)."""
-    single = hook._should_compute_remaining_blocks
+class GroupFirstBlockHook(FBCHeadBlockHook):
+    """First-block cache's head hook whose skip decision is the same on every sequence rank.
+
+    On one rank it is diffusers' ``FBCHeadBlockHook``. Under Ulysses or Ring it computes the
+    relative change of the first block's residual over the whole sequence (see the module
+    docstring) and applies it as diffusers does to a block returning one tensor (Wan's).
+
+    Args:
+        state_manager: the first-block cache's shared state (that of the hook it replaces).
+        threshold: relative change above which the remaining blocks run.
+        model: the transformer, whose sequence parallelism is looked up on each call.
+    """
+
+    def __init__(self, state_manager: StateManager, threshold: float, model: torch.nn.Module):
+        super().__init__(state_manager, threshold)
+        self.model = model
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        sp = sequence_parallel_of(self.model)
+        if sp is None:
+            return super().new_forward(module, *args, **kwargs)
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        forward = self.fn_ref.original_forward
+        if forward is None:  # set by HookRegistry.register_hook for a hook with new_forward
+            raise RuntimeError("GroupFirstBlockHook called before it was registered")
+        output = forward(*args, **kwargs)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"{type(module).__name__} returns {type(output).__name__}: liteboost's "
+                "group-wide first-block cache supports blocks returning one tensor (Wan's)"
+            )
+        residual = output - hidden_states
+        state = self.state_manager.get_state()
+        previous = state.head_block_residual
+        state.should_compute = previous is None or self.group_change(sp, residual, previous)
+        if not state.should_compute:
+            return state.tail_block_residuals[0] + output
+        state.head_block_output, state.head_block_residual = output, residual
+        return output
 
     @torch.compiler.disable
-    def should_compute(residual: torch.Tensor) -> bool:
-        sp = sequence_parallel_of(model)
-        if sp is None:
-            return single(residual)
-        state = hook.state_manager.get_state()
-        previous = state.head_block_residual
-        if previous is None:
-            return True
-        context = transformer_state(model).context
+    def group_change(
+        self, sp: SequenceParallel, residual: torch.Tensor, previous: torch.Tensor
+    ) -> bool:
+        """Whether the residual's relative L1 change over the whole sequence exceeds the
+        threshold (the same answer on every rank of ``sp``)."""
+        context = transformer_state(self.model).context
         real = min(max(context.seq_len - sp.rank * context.shard_len, 0), residual.shape[1])
         sums = torch.stack(
             [
@@ -194,66 +236,85 @@ def _group_wide_first_block_decision(
             ]
         ).double()
         dist.all_reduce(sums, group=sp.group)
-        return (sums[0] / sums[1]).item() > hook.threshold
-
-    return should_compute
+        return bool((sums[0] / sums[1]).item() > self.threshold)
 
 
-class _ContextOnly(BaseState):
-    """A state that holds nothing: its StateManager only receives the ``cache_context``."""
+def _group_wide_first_block(model: torch.nn.Module) -> None:
+    """Replace the first block's first-block-cache hook by :class:`GroupFirstBlockHook`.
 
-    def reset(self, *args: object, **kwargs: object) -> None:
-        pass
-
-
-def _branch_state(hook: Any) -> Any:
-    """The hook's state for the current ``cache_context`` name (None outside a context)."""
-    try:
-        name = hook.state_manager.context.name
-    except ValueError:  # a direct call, outside cache_context
-        name = None
-    states = hook.__dict__.setdefault("_liteboost_branch_states", {})
-    if name not in states:
-        states[name] = hook._liteboost_state_cls()
-    return states[name]
-
-
-def _reset_branch_states(hook: Any, module: torch.nn.Module) -> torch.nn.Module:
-    hook.__dict__.get("_liteboost_branch_states", {}).clear()
-    return module
+    Right after ``enable_cache`` the head hook is the last one registered on its block, so the
+    replacement, registered under the same name, takes its place in the hook order, and
+    ``disable_cache`` removes it by that name.
+    """
+    blocks = model.blocks
+    assert isinstance(blocks, torch.nn.ModuleList), type(blocks)
+    registry = HookRegistry.check_if_exists_or_initialize(blocks[0])
+    head = registry.get_hook(_FBC_HEAD_HOOK)
+    if not isinstance(head, FBCHeadBlockHook) or isinstance(head, GroupFirstBlockHook):
+        return
+    registry.remove_hook(_FBC_HEAD_HOOK, recurse=False)
+    registry.register_hook(
+        GroupFirstBlockHook(head.state_manager, head.threshold, model), _FBC_HEAD_HOOK
+    )
 
 
-_PER_BRANCH: dict[type, type] = {}
+class BranchStates:
+    """A FasterCache hook's ``state`` with one real state per ``cache_context`` name.
+
+    The hook reads and writes ``state.iteration``, ``state.cache``, ...; each goes to the state
+    of the current branch, kept by ``manager`` (diffusers' ``StateManager``, which receives the
+    context). Calls outside any ``cache_context`` share one more state. ``reset()`` (diffusers
+    resets stateful hooks after each pipeline call) resets every branch.
+
+    Args:
+        manager: the per-context states, created from the hook's own state class.
+        outside: the state for calls outside a ``cache_context``.
+    """
+
+    def __init__(self, manager: StateManager, outside: Any) -> None:
+        object.__setattr__(self, "manager", manager)
+        object.__setattr__(self, "outside", outside)
+
+    def current(self) -> Any:
+        """The current branch's state."""
+        try:
+            return self.manager.get_state()
+        except ValueError:  # diffusers' StateManager outside a cache_context
+            return self.outside
+
+    def reset(self) -> None:
+        self.manager.reset()
+        self.outside.reset()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.current(), name, value)
 
 
 def _faster_cache_per_branch(model: torch.nn.Module) -> None:
     """Give every FasterCache hook under ``model`` one state per ``cache_context`` name.
 
-    The hook's class becomes a subclass whose ``state`` reads the current branch's state; a
-    ``StateManager`` attribute makes diffusers hand the hook the context. ``disable_cache``
-    removes the hooks as usual.
+    FasterCache registers its hooks on the model and on attention modules, so those are the
+    modules looked at (through ``HookRegistry``'s public API, which gives a module without hooks
+    an empty registry). ``disable_cache`` removes the hooks as usual.
     """
-    from diffusers.hooks import HookRegistry
-
-    for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if registry is None:
-            continue
+    modules = [model, *(m for m in model.modules() if isinstance(m, _ATTENTION_CLASSES))]
+    for module in modules:
+        registry = HookRegistry.check_if_exists_or_initialize(module)
         for name in _FASTER_HOOKS:
             hook = registry.get_hook(name)
-            if hook is None or type(hook) in _PER_BRANCH.values():
+            if not isinstance(hook, (FasterCacheBlockHook, FasterCacheDenoiserHook)):
                 continue
-            cls = type(hook)
-            if cls not in _PER_BRANCH:
-                _PER_BRANCH[cls] = type(
-                    f"PerBranch{cls.__name__}",
-                    (cls,),
-                    {"state": property(_branch_state), "reset_state": _reset_branch_states},
-                )
-            hook._liteboost_state_cls = type(hook.__dict__.pop("state"))
+            if isinstance(hook.state, BranchStates):
+                continue
             # diffusers annotates state_cls as a BaseState instance; it is the class it builds.
-            hook.state_manager = StateManager(_ContextOnly)  # type: ignore[arg-type]
-            hook.__class__ = _PER_BRANCH[cls]
+            manager = StateManager(type(hook.state))  # type: ignore[arg-type]
+            # Both are plain instance attributes; diffusers types ``state`` as its own class.
+            attrs = cast(Any, hook)
+            attrs.state_manager = manager
+            attrs.state = BranchStates(manager, hook.state)
     HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
 
 
@@ -295,17 +356,7 @@ def apply_cache(model: torch.nn.Module, config: object) -> CacheHandle:
     if faster:
         _faster_cache_per_branch(model)
     if type(config).__name__ == "FirstBlockCacheConfig":
-        from diffusers.hooks import HookRegistry
-        from diffusers.hooks.first_block_cache import FBCHeadBlockHook
-
-        blocks = model.blocks
-        assert isinstance(blocks, torch.nn.ModuleList), type(blocks)
-        for block in blocks[:1]:
-            hook = HookRegistry.check_if_exists_or_initialize(block).get_hook(_FBC_HEAD_HOOK)
-            if isinstance(hook, FBCHeadBlockHook):
-                # An instance attribute shadows the method for this hook only.
-                decide = _group_wide_first_block_decision(hook, model)
-                hook._should_compute_remaining_blocks = decide
+        _group_wide_first_block(model)
     # nn.Module types attribute assignment as Tensor | Module; any value is stored as given.
     model._liteboost_cache = config  # type: ignore[assignment]
     return CacheHandle(model, config)
