@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +12,12 @@ import torch
 from torch import nn
 
 from packages.hyperparallel.tests.tiny_hf import TINY_HF_SHAPE
+
+# Measured decisions (Newton-Schulz strategy, fast bf16 GEMMs) take their documented fallbacks in
+# tests, ranks included (they inherit the environment): no outcome depends on this machine's
+# speed, and nothing is written to the user's cache. Tests of a measurement inject a timer.
+os.environ.setdefault("NPU_CORE_DECISIONS", "fallback")
+os.environ.setdefault("NPU_CORE_CACHE_DIR", tempfile.mkdtemp(prefix="hyperparallel-decisions-"))
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ Dynamo's ``dynamic=True`` leaves a model's hidden size once it is a parameter's 
 static. Each side is
 called the way the compiled graph calls it: the MLIR kernels through ``mfusion::mlir_region``
 (output allocation from the call's inputs included), Inductor's kernel as
-``mfusion.mlir.choice.graph_kernel`` compiles it from the symbolic graph (the stand-in the
+``mfusion.mlir.standalone.graph_kernel`` compiles it from the symbolic graph (the stand-in the
 measured choice uses for dynamic regions). Samples of about ``--sample-ms``, ``--rounds``
 interleaved rounds with the order rotating; reported: median of the per-round ratios with
 p25-p75 (below 1: the first side is faster).
@@ -34,9 +34,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from mfusion.backends.mlir_cpu import format_out_spec
 from mfusion.machine import MachineProfile
-from mfusion.mlir.choice import graph_kernel
 from mfusion.mlir.importer import import_region
 from mfusion.mlir.runtime import compiled_region
+from mfusion.mlir.standalone import graph_kernel
 from npu_core.bench import Timing, calls_per_sample, measure
 
 Call = Callable[[], object]

@@ -4,7 +4,7 @@ pipeline (0.3.2) vs Inductor's kernel for the same region, at one and two thread
 Each region class is a function traced to an aten graph (what auto-fusion outlines) at a
 realistic size (hidden 768 / MLP 3072 over 2 x 128 tokens; attention scores 2 x 12 x 128 x
 128). The Inductor side is the region compiled standalone by Inductor (the same stand-in the
-measured choice uses, ``mfusion.mlir.choice.inductor_kernel``); the MLIR sides are called the
+measured choice uses, ``mfusion.mlir.standalone.inductor_kernel``); the MLIR sides are called the
 way ``mfusion::mlir_region`` runs them (output allocation included, row blocks on threads for
 the vector pipeline when the threads setting is above one). Samples of ~``--sample-ms`` each,
 ``--rounds`` interleaved rounds with the order rotating; reported: median of the per-round
@@ -28,9 +28,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from mfusion.backends.mlir_cpu import MLIRCPUBackend, format_out_spec
 from mfusion.machine import MachineProfile
-from mfusion.mlir.choice import example_inputs, inductor_kernel
 from mfusion.mlir.importer import import_region
 from mfusion.mlir.runtime import compiled_region
+from mfusion.mlir.standalone import example_inputs, inductor_kernel
 from npu_core.bench import Timing, calls_per_sample, measure
 
 TOKENS, HIDDEN, MLP, HEADS, SEQ = 256, 768, 3072, 12, 128

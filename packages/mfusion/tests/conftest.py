@@ -28,24 +28,35 @@ os.environ.setdefault("MFUSION_CACHE_DIR", tempfile.mkdtemp(prefix="mfusion-cach
 class FixedTimer:
     """The timer of a measured choice (mlir-cpu regions, whole graphs, GEMM libraries) with fixed
     answers: runs both calls once (they must work; with ``agree``, return the same values) and
-    reports the given per-call times, so no decision depends on the speed of the test machine."""
+    reports the given per-call times, the first for the candidate form (asked first), the second
+    for Inductor's, so no decision depends on the speed of the test machine."""
 
     def __init__(self, first_s: float, second_s: float, agree: bool = False) -> None:
         self.times = (first_s, second_s)
         self.agree = agree
         self.calls = 0
 
-    def __call__(self, first: Any, second: Any) -> tuple[float, float]:
+    def __call__(self, calls: Any) -> dict[str, float]:
         self.calls += 1
-        results = first(), second()
+        results = [call() for call in calls.values()]
         if self.agree:
             torch.testing.assert_close(*results, rtol=1e-4, atol=1e-4)
-        return self.times
+        return dict(zip(calls, self.times, strict=True))
 
 
-def failing_timer(first: Any, second: Any) -> tuple[float, float]:
+def failing_timer(calls: Any) -> dict[str, float]:
     """A timer for where a cached decision must be used: any measurement fails the test."""
     raise AssertionError("the cached decision should have been used")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_remembered():
+    """Each test reads measured decisions from disk, not from an earlier test's memory."""
+    from npu_core import decisions
+
+    decisions.forget()
+    yield
+    decisions.forget()
 
 
 class PassHarness:

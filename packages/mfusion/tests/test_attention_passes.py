@@ -1,6 +1,7 @@
 """Attention pass: transformers-style eager attention (matmul, scale, additive mask, fp32 softmax,
-matmul, grouped K/V) becomes one CPU flash-attention call; near misses and unmeasured cases are
-refused; results match eager and a float64 reference."""
+matmul, grouped K/V) becomes one CPU flash-attention call where flash is measured faster (fake
+timers) or, with measuring off, where ``MIN_KEYS`` allows; near misses are refused; results match
+eager and a float64 reference."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ import torch
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from npu_core.timing import use_timer
+
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
 B, HEADS, KV_HEADS, DIM = 1, 4, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def _decisions(monkeypatch, tmp_path):
+    """The ``MIN_KEYS`` fallback decides unless a test measures (a fresh cache per test)."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "fallback")
+    monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -96,7 +106,7 @@ def test_bf16_round_trip_is_matched_and_refused_as_unmeasured(harness):
     gm = trace(eager_attention, q, k, v, mask)
     record = harness.apply(gm, "attention")
     assert record.rewritten() == 0
-    assert any("not measured to pay" in d.reason for d in record.refused("attention"))
+    assert any("flash not faster here" in d.reason for d in record.refused("attention"))
     assert harness.count(gm, aten.bmm.default) == 2
 
 
@@ -118,7 +128,7 @@ def test_bf16_rewrite_is_accurate_where_allowed(harness, monkeypatch):
 @pytest.mark.parametrize(
     ("length", "kwargs", "reason"),
     [
-        (128, {}, "key length 128 < 512"),
+        (128, {}, "flash not faster here"),
         (512, {"probs_too": True}, "used elsewhere"),
     ],
     ids=["short-keys", "probabilities-returned"],
@@ -307,3 +317,51 @@ def test_mask_from_a_graph_input_is_never_assumed_causal(harness):
     harness.apply(gm, "attention")
     flash = _flash_node(gm)
     assert flash.args[4] is False and "attn_mask" in flash.kwargs
+
+
+def _slow_timer(flash_s: float):
+    """Flash at ``flash_s`` per call against 1.0 for Inductor's form, after checking both forms
+    compute the same attention."""
+
+    def timer(calls):
+        flash, unfused = (call() for call in calls.values())
+        torch.testing.assert_close(flash[0], unfused, atol=2e-2, rtol=2e-2)
+        timer.calls += 1
+        return dict(zip(calls, (flash_s, 1.0), strict=True))
+
+    timer.calls = 0
+    return timer
+
+
+@pytest.mark.parametrize(("length", "flash_s", "rewritten"), [(128, 0.5, 1), (512, 0.99, 0)])
+def test_measured_decision_overrules_min_keys(
+    harness, monkeypatch, tmp_path, length, flash_s, rewritten
+):
+    """Measuring on: flash is used where it is timed clearly faster here, also below MIN_KEYS,
+    and refused where it is not, also above; the answer is cached per shape and machine."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "measure")
+    q, k, v, mask = inputs(length, torch.float32)
+    timer = _slow_timer(flash_s)
+    with use_timer(timer):
+        record = harness.apply(trace(eager_attention, q, k, v, mask), "attention")
+    assert record.rewritten("attention") == rewritten and timer.calls == 1, record.summary()
+    if not rewritten:
+        assert "flash not faster here" in record.refused("attention")[0].reason
+    assert len(list((tmp_path / "attention").glob("*.json"))) == 1
+    with use_timer(harness.failing_timer):
+        gm = trace(eager_attention, q, k, v, mask)
+        assert harness.apply(gm, "attention").rewritten("attention") == rewritten
+    torch.testing.assert_close(run(gm, q, k, v, mask), eager_attention(q, k, v, mask))
+
+
+def test_measured_bf16_flash_is_used_where_faster(harness, monkeypatch):
+    """bf16 has no MIN_KEYS entry (flash was slower on one CPU), but a machine where it is timed
+    faster gets it."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "measure")
+    q, k, v, mask = inputs(256, torch.bfloat16)
+    with use_timer(_slow_timer(0.5)):
+        record = harness.apply(trace(eager_attention, q, k, v, mask), "attention")
+    assert (
+        record.rewritten("attention") == 1
+        and "(ratio 0.50, measured)" in record.decisions[0].reason
+    )

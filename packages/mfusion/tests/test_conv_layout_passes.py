@@ -14,9 +14,9 @@ from torch._inductor.graph import GraphLowering
 
 import mfusion
 from mfusion import MFusionConfig
-from mfusion.passes import _measured
 from mfusion.passes.conv_layout import CONVOLUTION, NCHW_CONVOLUTION, ConvShape
 from mfusion.passes.manager import MFusionPassManager
+from npu_core.timing import use_timer
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="Inductor picks channels-last with oneDNN only"
@@ -70,7 +70,7 @@ def test_keeps_nchw_where_channels_last_measured_slower(harness):
     assert GraphLowering.decide_layout_opt(gm, is_inference=False), "Inductor would switch"
     # the timer runs both layouts' calls once and checks they compute the same weight gradient
     timer = harness.fixed_timer(1.0e-3, 2.0e-3, agree=True)
-    with _measured.use_timer(timer):
+    with use_timer(timer):
         record = _run(gm, machine=harness.AVX2)
     assert timer.calls == 2  # one timing per distinct convolution
     assert _count(gm, CONVOLUTION) == 0 and _count(gm, NCHW_CONVOLUTION) == 2
@@ -82,17 +82,17 @@ def test_keeps_nchw_where_channels_last_measured_slower(harness):
 
 def test_channels_last_kept_on_a_tie_and_decisions_are_cached_per_machine(harness):
     gm, _ = _forward_graph(harness)
-    with _measured.use_timer(harness.fixed_timer(0.99e-3, 1.0e-3)):  # within MIN_GAIN
+    with use_timer(harness.fixed_timer(0.99e-3, 1.0e-3)):  # within MIN_GAIN
         record = _run(gm, machine=harness.AVX2)
     assert _count(gm, CONVOLUTION) == 2 and record.rewritten("conv_layout") == 0
     assert len(record.refused("conv_layout")) == 2
     assert "channels-last kept" in record.decisions[0].reason
     again, _ = _forward_graph(harness)
-    with _measured.use_timer(harness.failing_timer):  # same shapes, same machine: from the cache
+    with use_timer(harness.failing_timer):  # same shapes, same machine: from the cache
         assert "cache" in _run(again, machine=harness.AVX2).decisions[0].reason
     other, _ = _forward_graph(harness)
     timer = harness.fixed_timer(1.0e-3, 2.0e-3)
-    with _measured.use_timer(timer):  # another machine measures again
+    with use_timer(timer):  # another machine measures again
         assert _run(other, machine=harness.AVX512_BF16).rewritten("conv_layout") == 2
     assert timer.calls == 2
 
@@ -107,7 +107,7 @@ def test_inference_graphs_time_the_forward_only(harness, monkeypatch):
         return original(self, backward)
 
     monkeypatch.setattr(ConvShape, "calls", calls)
-    with _measured.use_timer(harness.fixed_timer(1.0e-3, 2.0e-3, agree=True)):
+    with use_timer(harness.fixed_timer(1.0e-3, 2.0e-3, agree=True)):
         assert _run(gm, is_inference=True, machine=harness.AVX2).rewritten("conv_layout") == 2
     assert seen == [False, False]
 
@@ -130,7 +130,7 @@ def test_refusals_name_the_reason(harness, setup, reason):
         constant.meta["val"] = first.args[1].meta["val"]
         first.replace_input_with(first.args[1], constant)
     is_inference = setup.pop("is_inference", False)
-    with _measured.use_timer(harness.failing_timer):
+    with use_timer(harness.failing_timer):
         record = _run(gm, is_inference=is_inference, machine=harness.AVX2, **setup)
     assert _count(gm, CONVOLUTION) == 2 and len(record.refused("conv_layout")) == 2
     assert reason in record.decisions[0].reason
@@ -138,12 +138,12 @@ def test_refusals_name_the_reason(harness, setup, reason):
 
 def test_forced_nchw_needs_no_timing_and_no_decision_where_inductor_keeps_nchw(harness):
     gm, _ = _forward_graph(harness)
-    with _measured.use_timer(harness.failing_timer):
+    with use_timer(harness.failing_timer):
         assert _run(gm, conv_layout="nchw").rewritten("conv_layout") == 2
     gm, _ = _forward_graph(harness)
     with (
         inductor_config.patch(layout_optimization=False),
-        _measured.use_timer(harness.failing_timer),
+        use_timer(harness.failing_timer),
     ):
         record = _run(gm, machine=harness.AVX2)
     assert not record.decisions and _count(gm, CONVOLUTION) == 2

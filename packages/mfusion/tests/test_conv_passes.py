@@ -8,9 +8,18 @@ from torch.nn import functional as F
 
 import mfusion
 from mfusion.machine import MachineProfile
+from npu_core.timing import use_timer
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _decisions(monkeypatch, tmp_path):
+    """patch_conv='auto' takes its MEASURED fallback table unless a test measures (a fresh cache
+    per test)."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "fallback")
+    monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
 
 
 def _randn(dtype, *shapes):
@@ -223,3 +232,32 @@ def test_patch_conv_policy_is_validated():
     with pytest.raises(ValueError, match="MachineProfile"):
         mfusion.MFusionConfig(machine="avx2")
     assert isinstance(MachineProfile.detect().isa_level, str)
+
+
+@pytest.mark.parametrize(("gemm_s", "rewritten"), [(0.5e-3, 1), (0.99e-3, 0)])
+def test_auto_policy_measures_on_this_machine_and_caches(
+    harness, monkeypatch, tmp_path, gemm_s, rewritten
+):
+    """Measuring on: a shape class the table refuses (bf16 tiles on AVX2) is rewritten where
+    im2col + GEMM is timed clearly faster, and kept within MIN_GAIN; both forms compute the same
+    convolution; the answer is read back for the same shape and profile."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "measure")
+    fn, (x, w, b) = _case("tiles", torch.bfloat16)
+    timer = harness.fixed_timer(gemm_s, 1.0e-3)
+
+    def checked(calls):
+        gemm, convolution = (call() for call in calls.values())
+        torch.testing.assert_close(gemm, convolution, **harness.tolerance(torch.bfloat16))
+        return timer(calls)
+
+    with use_timer(checked):
+        record = harness.apply(harness.trace(fn, x, w, b), "patch_conv", machine=harness.AVX2)
+    assert record.rewritten("patch_conv") == rewritten and timer.calls == 1
+    if not rewritten:
+        assert "not faster here" in record.refused("patch_conv")[0].reason
+    assert len(list((tmp_path / "patch-conv").glob("*.json"))) == 1
+    with use_timer(harness.failing_timer):
+        gm = harness.trace(fn, x, w, b)
+        again = harness.apply(gm, "patch_conv", machine=harness.AVX2)
+    assert again.rewritten("patch_conv") == rewritten
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b), **harness.tolerance(torch.bfloat16))

@@ -65,9 +65,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_attention_rewrite_is_cpu_only(harness, device):
+def test_attention_rewrite_is_cpu_only(harness, device, monkeypatch):
     """The flash rewrite was measured on CPU: the same graph on CUDA keeps its form (Inductor's
     own SDPA patterns and Triton handle it there) and the refusal names the device."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "fallback")  # on CPU, MIN_KEYS decides
     q, k, v = (torch.randn(1, 4, 512, 16) for _ in range(3))
     mask = torch.zeros(1, 1, 512, 512)
     gm = harness.trace_on(device, _attention, q, k, v, mask)

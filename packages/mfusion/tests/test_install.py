@@ -13,6 +13,7 @@ import mfusion
 from mfusion import MFusionConfig, MFusionPassManager
 from mfusion.machine import MachineProfile
 from npu_core import capability
+from npu_core.timing import use_timer
 
 TEST_MACHINE = MachineProfile(arch="x86_64", cpu_model="test", cpu_capability="AVX2")
 
@@ -134,14 +135,15 @@ def test_config_loads_from_toml_and_overrides_and_refuses_unknown_keys(tmp_path)
 def test_uuid_follows_the_machine(monkeypatch):
     """The machine-dependent rewrites decide per machine profile, so the FX-cache key moves with
     the ISA cap and the thread count, and with an injected profile; it is stable otherwise."""
-    # The bf16 GEMM probe is a timing: fix its answer so machine load cannot flip the profile
-    # between the calls compared here (the probe itself is npu_core's, tested there).
-    monkeypatch.setattr(capability, "measured_speed_ratio", lambda device, dtype: 0.5)
+    # The bf16 GEMM probe is a timing: take the capability's claim untimed so machine load
+    # cannot flip the profile between the calls compared here (the probe is npu_core's, tested
+    # there).
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "fallback")
     capability.clear_decisions()
     try:
         _check_uuid_follows_the_machine(monkeypatch)
     finally:
-        capability.clear_decisions()  # no decision made with the fixed probe outlives the test
+        capability.clear_decisions()  # no untimed answer outlives the test
 
 
 def _check_uuid_follows_the_machine(monkeypatch) -> None:
@@ -282,7 +284,6 @@ def test_mlir_cpu_whole_graph_check_inside_a_real_compile(train, harness, tmp_pa
     graph with an outlined region is compiled again standalone with and without it (nested in
     Inductor's own compile, FX graph cache and Triton bundling active) and the verdict is
     recorded; results equal eager. Times are injected: regions and graphs "faster" with MLIR."""
-    from mfusion.mlir import choice
 
     monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MFUSION_MLIR_CHOICE", raising=False)
@@ -299,7 +300,7 @@ def test_mlir_cpu_whole_graph_check_inside_a_real_compile(train, harness, tmp_pa
         inductor_config.patch(fx_graph_cache=False),
         functorch_config.patch(enable_autograd_cache=False),
         mfusion.enabled(backend="mlir-cpu"),
-        choice.use_timer(harness.fixed_timer(1e-6, 2e-6)),
+        use_timer(harness.fixed_timer(1e-6, 2e-6)),
     ):
         out = torch.compile(fn)(x, w)
         if train:

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mfusion
-from mfusion.passes import _measured, linear_kernel
+from mfusion.passes import linear_kernel
+from npu_core import decisions
+from npu_core.timing import use_timer
 
 pytestmark = pytest.mark.skipif(
     not (torch._C.has_mkl and torch.backends.mkldnn.is_available()),
@@ -33,30 +35,30 @@ def cache(tmp_path, monkeypatch):
 
 def test_measured_choice_takes_onednn_only_when_clearly_faster_and_caches_it(harness, cache):
     machine = harness.machine("AVX2")
-    with _measured.use_timer(harness.fixed_timer(0.90e-3, 1.00e-3, agree=True)):
+    with use_timer(harness.fixed_timer(0.90e-3, 1.00e-3, agree=True)):
         faster = linear_kernel.choose(32, 48, 64, True, "measure", machine)
     assert faster.chosen and faster.source == "measured"
     tie_timer = harness.fixed_timer(0.99e-3, 1.00e-3, agree=True)  # within MIN_GAIN: a tie
-    with _measured.use_timer(tie_timer):
+    with use_timer(tie_timer):
         tie = linear_kernel.choose(32, 48, 64, False, "measure", machine)
     assert not tie.chosen and "ratio 0.99" in tie.describe()
     files = sorted(cache.glob("*.json"))
     assert len(files) == 2
-    assert {tuple(json.loads(f.read_text())["mkn"]) for f in files} == {(32, 48, 64)}
+    assert {tuple(json.loads(f.read_text())["fields"]["mkn"]) for f in files} == {(32, 48, 64)}
 
-    with _measured.use_timer(harness.failing_timer):
+    with use_timer(harness.failing_timer):
         again = linear_kernel.choose(32, 48, 64, True, "measure", machine)
     assert again.chosen and again.source == "cache"
     other_machine = harness.machine("AVX2", {"threads": 2})  # another profile measures again
     timer = harness.fixed_timer(1.2e-3, 1.0e-3, agree=True)
-    with _measured.use_timer(timer):
+    with use_timer(timer):
         assert not linear_kernel.choose(32, 48, 64, True, "measure", other_machine).chosen
     assert timer.calls == 1
 
 
 def test_policies_other_than_measure_do_not_time(harness, cache):
     machine = harness.machine("AVX2")
-    with _measured.use_timer(harness.failing_timer):
+    with use_timer(harness.failing_timer):
         assert linear_kernel.choose(8, 8, 8, True, "onednn", machine).chosen
         assert not linear_kernel.choose(8, 8, 8, True, "inductor", machine).chosen
     assert not cache.exists()
@@ -114,7 +116,7 @@ def test_frozen_linears_move_to_onednn_where_chosen_and_equal_eager(
     if times is None:
         out, report = _compile_frozen(MLP, X, passes=("linear_kernel",), linear_kernel=policy)
     else:
-        with _measured.use_timer(harness.fixed_timer(*times, agree=True)):
+        with use_timer(harness.fixed_timer(*times, agree=True)):
             out, report = _compile_frozen(MLP, X, passes=("linear_kernel",), linear_kernel=policy)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     moved, kept = _decisions(report, True), _decisions(report, False)
@@ -227,9 +229,10 @@ class SequenceTimer:
     def __init__(self, *times: tuple[float, float]) -> None:
         self.times = list(times)
 
-    def __call__(self, onednn_call, mkl_call):
+    def __call__(self, calls):
+        onednn_call, mkl_call = calls.values()
         torch.testing.assert_close(onednn_call(), mkl_call(), rtol=1e-4, atol=1e-4)
-        return self.times.pop(0)
+        return dict(zip(calls, self.times.pop(0), strict=True))
 
 
 def test_fused_epilogue_must_beat_the_chosen_unfused_gemm_plus_the_activation(cache):
@@ -237,7 +240,7 @@ def test_fused_epilogue_must_beat_the_chosen_unfused_gemm_plus_the_activation(ca
     GEMM followed by the activation, and a fused form that is not faster leaves the plain
     choice in place."""
     gelu = ACTIVATION_FORMS["nn.GELU"][1]
-    with _measured.use_timer(SequenceTimer((1.2e-3, 1.0e-3), (0.8e-3, 1.0e-3))):
+    with use_timer(SequenceTimer((1.2e-3, 1.0e-3), (0.8e-3, 1.0e-3))):
         out, expected, moved = _compile_head(gelu)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert len(moved) == 1
@@ -245,14 +248,15 @@ def test_fused_epilogue_must_beat_the_chosen_unfused_gemm_plus_the_activation(ca
 
     # Plain oneDNN faster, fusing not: the fused form is timed against oneDNN + the loop.
     shutil.rmtree(cache)  # the same shape: measure its plain GEMM again
+    decisions.forget()
     relu = ACTIVATION_FORMS["relu"][1]
     timer = SequenceTimer((0.9e-3, 1.0e-3), (1.0e-3, 1.0e-3))
-    with _measured.use_timer(timer):
+    with use_timer(timer):
         out, expected, moved = _compile_head(relu)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert not timer.times
     assert len(moved) == 1 and moved[0].reason.startswith("oneDNN packed GEMM 24x48x64: oneDNN 900")
-    files = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    files = [json.loads(f.read_text())["fields"] for f in cache.glob("*.json")]
     fused = sorted((f["activation"], f["unfused"]) for f in files if "activation" in f)
     assert fused == [("relu", "oneDNN")] and len(files) == 2  # plain and fused, once each
 
@@ -264,12 +268,12 @@ def test_fused_epilogue_is_timed_against_the_loop_the_graph_will_run(cache):
     gelu_tanh = ACTIVATION_FORMS["nn.GELU(tanh)"][1]
     for passes in (None, ("linear_kernel",)):
         mfusion.clear_report()
-        with _measured.use_timer(SequenceTimer((1.2e-3, 1.0e-3), (1.2e-3, 1.0e-3))):
+        with use_timer(SequenceTimer((1.2e-3, 1.0e-3), (1.2e-3, 1.0e-3))):
             out, expected, _ = _compile_head(gelu_tanh, passes=passes)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
         # neither faster: the graph keeps MKL + the loop, whose tanh `rational` rewrites (the
         # measurement's own rewrite of the loop it timed stays out of the user's report)
         assert mfusion.report().rewritten("rational") == (1 if passes is None else 0)
-    files = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    files = [json.loads(f.read_text())["fields"] for f in cache.glob("*.json")]
     loops = sorted(f["loop"] for f in files if "activation" in f)
     assert loops == ["inductor", "rational"]

@@ -16,9 +16,10 @@ import mfusion
 from mfusion import MFusionConfig
 from mfusion.autofuse.fuse import auto_fuse
 from mfusion.backends.mlir_cpu import format_out_spec, output_shapes
-from mfusion.mlir import choice
+from mfusion.mlir import standalone
 from mfusion.mlir.threads import block_bounds
 from mfusion.report import GraphReport
+from npu_core.timing import use_timer
 
 REGION_OP = torch.ops.mfusion.mlir_region.default
 HIDDEN = 48
@@ -151,14 +152,14 @@ def test_choice_is_measured_at_the_hint_size(harness, tmp_path, monkeypatch):
     monkeypatch.setenv("MFUSION_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MFUSION_MLIR_CHOICE", raising=False)
     gm = harness.trace_dynamic(norm_gelu_residual, *_args(3, 5), dynamic=OUTER)
-    assert [tuple(t.shape) for t in choice.example_inputs(gm)] == [
+    assert [tuple(t.shape) for t in standalone.example_inputs(gm)] == [
         (3, 5, HIDDEN),
         (3, 5, HIDDEN),
         (HIDDEN,),
         (HIDDEN,),
     ]
     timer = harness.fixed_timer(1e-6, 2e-6)
-    with choice.use_timer(timer):
+    with use_timer(timer):
         outlined, record = _fuse(gm, harness.machine("AVX2"))
     assert outlined == 1 and timer.calls == 2  # the region, then the whole graph
     assert "mlir 1.0 us vs inductor 2.0 us" in record.regions[0].reason
@@ -201,7 +202,7 @@ def test_compiled_model_runs_every_size_without_recompiling(
     # Dynamo specialises sizes 0 and 1 unless told not to: one row must not recompile
     with (
         shape_config.patch(backed_size_oblivious=True),
-        choice.use_timer(harness.fixed_timer(1e-6, 2e-6)),
+        use_timer(harness.fixed_timer(1e-6, 2e-6)),
         torch.no_grad(),
     ):
         warmup = [(2, 3), (3, 5)] if dynamic is None else [(2, 3)]

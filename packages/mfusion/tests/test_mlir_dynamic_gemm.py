@@ -16,11 +16,11 @@ import mfusion
 from mfusion import MFusionConfig
 from mfusion.autofuse.capability import MLIR_CPU_TABLE, ShapeRefusal
 from mfusion.autofuse.fuse import auto_fuse
-from mfusion.mlir import choice
 from mfusion.mlir.gemm import DYNAMIC, gemm_script, row_block
 from mfusion.mlir.importer import import_region
 from mfusion.mlir.runtime import CompiledRegion
 from mfusion.report import GraphReport
+from npu_core.timing import use_timer
 
 REGION_OP = torch.ops.mfusion.mlir_region.default
 K, N = 40, 48
@@ -172,7 +172,7 @@ def test_compiled_linear_block_runs_every_token_count_without_recompiling(
     # Dynamo specialises sizes 0 and 1 unless told not to: one token must not recompile
     with (
         shape_config.patch(backed_size_oblivious=True),
-        choice.use_timer(harness.fixed_timer(1e-6, 2e-6)),
+        use_timer(harness.fixed_timer(1e-6, 2e-6)),
         torch.no_grad(),
     ):
         for m in (5, *ROWS):

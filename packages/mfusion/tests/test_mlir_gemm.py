@@ -11,13 +11,13 @@ import torch
 
 from mfusion import MFusionConfig
 from mfusion.autofuse.fuse import auto_fuse
-from mfusion.mlir import choice
 from mfusion.mlir.gemm import gemm_script, largest_divisor, row_block
 from mfusion.mlir.importer import import_region
 from mfusion.mlir.pipeline import lower_to_llvm
 from mfusion.mlir.runtime import CompiledRegion
 from mfusion.mlir.threads import row_split
 from mfusion.report import GraphReport
+from npu_core.timing import use_timer
 
 REGION_OP = torch.ops.mfusion.mlir_region.default
 
@@ -139,7 +139,7 @@ def _fuse(harness):
 @pytest.mark.slow
 def test_slower_gemm_region_stays_with_inductor(harness, decisions):
     timer = harness.fixed_timer(3e-6, 2e-6)
-    with choice.use_timer(timer):
+    with use_timer(timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 0 and timer.calls == 1
     assert [r.kind for r in record.regions] == ["matmul"]
@@ -152,7 +152,7 @@ def test_slower_gemm_region_stays_with_inductor(harness, decisions):
 @pytest.mark.slow
 def test_faster_gemm_region_is_outlined_and_matches_eager(harness, decisions):
     timer = harness.fixed_timer(1e-6, 2e-6)
-    with choice.use_timer(timer):
+    with use_timer(timer):
         gm, outlined, record = _fuse(harness)
     assert outlined == 1 and record.regions[0].kind == "matmul"
     assert harness.count(gm, REGION_OP) == 1

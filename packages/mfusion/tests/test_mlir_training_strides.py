@@ -12,7 +12,9 @@ from torch import nn
 
 import mfusion
 from mfusion.autofuse.outline import snapshot
-from mfusion.mlir import choice
+from mfusion.mlir import choice, standalone
+from npu_core.decisions import DecisionCache
+from npu_core.timing import use_timer
 
 
 def test_example_inputs_have_the_placeholders_strides(harness):
@@ -22,7 +24,7 @@ def test_example_inputs_have_the_placeholders_strides(harness):
     transposed = torch.randn(6, 4).t()
     broadcast = torch.randn(5, 1).expand(5, 3)
     gm = harness.trace(fn, transposed, broadcast, torch.randn(2, 3))
-    made = choice.example_inputs(gm)
+    made = standalone.example_inputs(gm)
     for value, node in zip(made, gm.graph.find_nodes(op="placeholder"), strict=True):
         assert value.shape == node.meta["val"].shape
         assert value.stride() == node.meta["val"].stride()
@@ -34,8 +36,8 @@ def test_whole_graph_check_compiles_a_graph_with_a_transposed_input(harness, tmp
         return (torch.relu(a) @ b + 1,)
 
     gm = harness.trace(fn, torch.randn(8, 16).t(), torch.randn(8, 4))
-    cache = choice.DecisionCache(tmp_path)
-    with choice.use_graph_timer(harness.fixed_timer(1e-6, 2e-6)):
+    cache = DecisionCache(tmp_path)
+    with use_timer(harness.fixed_timer(1e-6, 2e-6), choice.GRAPH_NAMESPACE):
         decision = choice.decide_graph(snapshot(gm.graph), snapshot(gm.graph), harness.AVX2, cache)
     assert decision.use_mlir and decision.source == "measured"
 
@@ -108,8 +110,8 @@ def test_training_step_keeps_backward_regions_through_the_whole_graph_check(
     torch._dynamo.reset()
     mfusion.clear_report()
     with (
-        choice.use_timer(harness.fixed_timer(1e-6, 2e-6)),
-        choice.use_graph_timer(harness.fixed_timer(1e-6, 2e-6)),
+        use_timer(harness.fixed_timer(1e-6, 2e-6)),
+        use_timer(harness.fixed_timer(1e-6, 2e-6), choice.GRAPH_NAMESPACE),
     ):
         harness.step_equals_eager(model, reference, x, backend="mlir-cpu")
     graphs = mfusion.report().graphs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
@@ -10,22 +12,22 @@ from hyperparallel.optim import newton_schulz as ns
 from hyperparallel.optim.newton_schulz import (
     KELLER,
     Strategy,
-    clear_strategy_cache,
     estimate_batch_bytes,
     newton_schulz,
     orthogonalize,
     resolve_coefficients,
 )
-from npu_core.bench import Comparison, Timing
+from npu_core import decisions
+from npu_core.timing import use_timer
 
 KELLER_5 = resolve_coefficients("keller", 5)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_strategy_cache():
-    clear_strategy_cache()
+def _fresh_decisions():
+    decisions.forget()
     yield
-    clear_strategy_cache()
+    decisions.forget()
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -281,29 +283,56 @@ def test_orthogonalize_memory_budget_splits_expert_tensor(monkeypatch):
         torch.testing.assert_close(out[e], newton_schulz(experts[e], KELLER_5), rtol=1e-6, atol=0)
 
 
-def test_orthogonalize_auto_measures_once_and_caches(monkeypatch):
-    """auto times both strategies in interleaved rounds on the first sight of a key, then reuses
-    the faster for that key in this process."""
-    calls: list[tuple[int, int]] = []
+@pytest.mark.parametrize(("loop_s", "expected"), [(1.0, Strategy.LOOP), (2.0, Strategy.BATCHED)])
+def test_orthogonalize_auto_measures_once_per_machine_and_caches(
+    monkeypatch, tmp_path, loop_s, expected
+):
+    """auto times both strategies on the first sight of a key (a fake timer: the loop at
+    ``loop_s``, batched at 2.0; a tie goes to batched), runs the faster, and a second call reads
+    the decision back without timing; the results equal that strategy's own run."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "measure")
+    monkeypatch.setenv("NPU_CORE_CACHE_DIR", str(tmp_path))
+    timed: list[list[str]] = []
 
-    def fake_compare(baseline, candidate, *, warmup, repeats, sync):
-        calls.append((warmup, repeats))
-        baseline()
-        candidate()
-        # baseline is the loop, candidate the batched run: make the loop win every round.
-        return Comparison(Timing((1.0,)), Timing((2.0,)), ratios=(0.5,) * repeats)
+    def fake_timer(calls):
+        timed.append(list(calls))
+        return {"loop": loop_s, "batched": 2.0}
 
-    monkeypatch.setattr(ns, "compare", fake_compare)
+    ran = []
+    real = ns._Kernel.batched
+
+    def recording(self, stacked):
+        ran.append(stacked.shape[0])
+        return real(self, stacked)
+
+    monkeypatch.setattr(ns._Kernel, "batched", recording)
     matrices = [_randn(8, 8, seed=s) for s in range(4)]
-    first = orthogonalize(matrices, KELLER_5, ns_dtype="fp32")
-    assert len(calls) == 1 and calls[0][1] >= 3
-    cache = ns._STRATEGY_CACHE
-    key = (8, 8, torch.float32, torch.float32, torch.device("cpu"), 4)
-    assert cache == {key: Strategy.LOOP}
-    second = orthogonalize(matrices, KELLER_5, ns_dtype="fp32")
-    assert len(calls) == 1
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
+    with use_timer(fake_timer):
+        first = orthogonalize(matrices, KELLER_5, ns_dtype="fp32")
+    assert timed == [["loop", "batched"]]
+    assert (4 in ran) is (expected is Strategy.BATCHED)
+    [record] = (tmp_path / ns.STRATEGY_DECISIONS).glob("*.json")
+    assert json.loads(record.read_text())["choice"] == expected.value
+
+    decisions.forget()  # a new process: the answer comes from the file
+    with use_timer(pytest.fail):
+        second = orthogonalize(matrices, KELLER_5, ns_dtype="fp32")
+    reference = orthogonalize(matrices, KELLER_5, ns_dtype="fp32", strategy=expected.value)
+    for a, b, c in zip(first, second, reference, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_orthogonalize_auto_runs_batched_where_measuring_is_off(monkeypatch):
+    """With ``NPU_CORE_DECISIONS=fallback`` nothing is timed and same-shape matrices run as one
+    batch."""
+    monkeypatch.setenv("NPU_CORE_DECISIONS", "fallback")
+    sizes = _record_batch_sizes(monkeypatch)
+    ran = []
+    real = ns._Kernel.batched
+    monkeypatch.setattr(ns._Kernel, "batched", lambda self, s: ran.append(len(s)) or real(self, s))
+    with use_timer(pytest.fail):
+        orthogonalize([_randn(8, 8, seed=s) for s in range(3)], KELLER_5, ns_dtype="fp32")
+    assert sizes == [3] and ran == [3]
 
 
 @pytest.mark.parametrize(

@@ -7,26 +7,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from npu_core.env import read
+from npu_core.env import read, user_cache_root
 
 CACHE_DIR = "MFUSION_CACHE_DIR"
-"""Folder of mfusion's measured decisions (default ``$XDG_CACHE_HOME/mfusion``)."""
+"""Folder of mfusion's measured decisions (default ``$XDG_CACHE_HOME/mfusion``); whether they are
+measured at all follows ``NPU_CORE_DECISIONS`` (``npu_core.env``)."""
 
 MLIR_CHOICE = "MFUSION_MLIR_CHOICE"
 """How a region picks MLIR or Inductor: ``measure`` (default), ``always`` or ``never``."""
 
-XDG_CACHE_HOME = "XDG_CACHE_HOME"
-"""Read, never set: the user's cache root (default ``~/.cache``), under which mfusion keeps its
-decisions when ``MFUSION_CACHE_DIR`` is unset."""
-
 
 def cache_root() -> Path:
-    """``$MFUSION_CACHE_DIR``, else ``$XDG_CACHE_HOME/mfusion``, else ``~/.cache/mfusion``."""
+    """``$MFUSION_CACHE_DIR``, else ``mfusion`` under the user's cache root
+    (``npu_core.env.user_cache_root``: ``$XDG_CACHE_HOME`` or ``~/.cache``)."""
     root = read(CACHE_DIR)
-    if root is not None:
-        return Path(root)
-    xdg = read(XDG_CACHE_HOME)
-    return Path(xdg or Path.home() / ".cache") / "mfusion"
+    return Path(root) if root is not None else user_cache_root() / "mfusion"
 
 
 def mlir_choice() -> str:

@@ -8,13 +8,13 @@ for another, and whether that pays depends on the CPU:
   bf16/fp16 natively (AVX-512 BF16 or AMX); without it oneDNN emulates the low-precision GEMM,
   about 100x slower than the fp32 one (bf16 256x1024x256: 0.7 ms with AVX-512 BF16, 70 ms with
   oneDNN capped to AVX2);
-- im2col + GEMM instead of a oneDNN convolution (``patch_conv``) was measured per shape class;
-  the rule is used only on the ISA levels and dtypes it was measured on (see
-  ``mfusion.passes.patch_conv.MEASURED``).
+- im2col + GEMM instead of a oneDNN convolution (``patch_conv``) is timed per convolution shape
+  on the machine that compiles (``mfusion.passes.patch_conv``).
 
-:class:`MachineProfile` captures those capabilities, read through ``npu_core.capability`` (CPU
-model, ATen ISA, flags, oneDNN cap; fast low-precision GEMMs from the flags confirmed by one timing
-per process and dtype). :meth:`MachineProfile.detect` builds it (cheap after the first call);
+:class:`MachineProfile` captures those capabilities, read through ``npu_core.machine`` and
+``npu_core.capability`` (CPU model, ATen ISA, flags, oneDNN cap; fast low-precision GEMMs from
+the flags confirmed by one timing per machine and dtype, cached on disk).
+:meth:`MachineProfile.detect` builds it (cheap after the first call);
 tests inject a fixed one through ``MFusionConfig(machine=...)``. Its
 :meth:`~MachineProfile.fingerprint`, measured answers included, is part of the pass manager's
 ``uuid()``: a graph compiled on one machine is never served from Inductor's FX cache on a machine
@@ -31,6 +31,7 @@ import platform
 import torch
 
 from npu_core import capability
+from npu_core.machine import cpu_info
 
 # oneDNN's ISA names from the lowest to the highest (x86-64), as ONEDNN_MAX_CPU_ISA takes them.
 ONEDNN_ISAS = (
@@ -113,7 +114,7 @@ class MachineProfile:
         """The profile of this process: CPU facts and ISA caps as ``npu_core.capability`` read
         them (once per process), the measured GEMM answers (cached per process) and the current
         thread count."""
-        cpu = capability.cpu_info()
+        cpu = cpu_info()
         return cls(
             arch=platform.machine().lower(),
             cpu_model=cpu.model,
@@ -174,6 +175,11 @@ class MachineProfile:
         """Stable hash of every field."""
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def decision_profile(self) -> dict[str, object]:
+        """What a measured decision (``npu_core.decisions.decide``) taken for this profile holds
+        under: every field, plus the torch build whose kernels were timed."""
+        return {**dataclasses.asdict(self), "torch": torch.__version__}
 
 
 def native_gemm(machine: MachineProfile, dtype: torch.dtype, device: torch.device) -> bool:

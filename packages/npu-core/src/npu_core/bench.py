@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from npu_core import env
-from npu_core.capability import cpu_info, fast_matmul
+from npu_core.capability import fast_matmul
 from npu_core.device import detect_backend, device_module
 from npu_core.files import write_text_atomic
+from npu_core.machine import cpu_info
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ Every variable is read when asked for (not at import), so tests and launchers ca
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 BACKEND = "NPU_CORE_BACKEND"
 """Force the compute backend: ``npu``, ``cuda`` or ``cpu`` (default: detected)."""
@@ -14,10 +15,40 @@ COMM_BACKEND = "NPU_CORE_COMM_BACKEND"
 """Force the collective backend: ``hccl``, ``nccl`` or ``gloo`` (default: follows the backend)."""
 
 
+CACHE_DIR = "NPU_CORE_CACHE_DIR"
+"""Folder of measured decisions (default ``$XDG_CACHE_HOME/npu-core``, else
+``~/.cache/npu-core``); packages that keep their own folder pass it to the decision cache."""
+
+DECISIONS = "NPU_CORE_DECISIONS"
+"""How measured decisions are taken: ``measure`` (default: cached answer, else time the
+candidates now and cache the winner), ``cached`` (cached answers only, never time; a miss takes
+the documented fallback) or ``fallback`` (never time, never read: the fallback everywhere)."""
+
+XDG_CACHE_HOME = "XDG_CACHE_HOME"
+"""Read, never set: the user's cache root (default ``~/.cache``)."""
+
+
 def read(name: str) -> str | None:
     """Return the stripped value of ``name``, or None when it is unset or empty."""
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+def user_cache_root() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``: where every package keeps its cached files."""
+    root = read(XDG_CACHE_HOME)
+    return Path(root) if root is not None else Path.home() / ".cache"
+
+
+def decisions_dir() -> Path:
+    """``$NPU_CORE_CACHE_DIR``, else ``npu-core`` under :func:`user_cache_root`."""
+    root = read(CACHE_DIR)
+    return Path(root) if root is not None else user_cache_root() / "npu-core"
+
+
+def decisions_mode() -> str:
+    """``NPU_CORE_DECISIONS`` lower-cased, ``measure`` when unset (the caller checks the value)."""
+    return (read(DECISIONS) or "measure").lower()
 
 
 ATEN_CPU_CAPABILITY = "ATEN_CPU_CAPABILITY"

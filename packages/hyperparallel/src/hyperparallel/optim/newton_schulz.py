@@ -15,9 +15,9 @@ from typing import TypeGuard
 import torch
 from torch import Tensor
 
-from npu_core import capability
-from npu_core.bench import compare
+from npu_core import capability, decisions
 from npu_core.device import synchronizer
+from npu_core.timing import interleaved_timer
 
 Coefficients = tuple[float, float, float]
 """(a, b, c) of one step p(X) = a X + b X X^T X + c (X X^T)^2 X."""
@@ -64,7 +64,8 @@ class Strategy(enum.StrEnum):
     """How :func:`orthogonalize` runs a group of same-shape matrices."""
 
     AUTO = "auto"
-    """Measure batched against loop the first time a (shape, dtype, device, count) is seen."""
+    """Measure batched against loop the first time a (shape, dtype, count) is seen on this
+    machine (the answer is cached on disk, per machine profile)."""
     BATCHED = "batched"
     """Stack into [B, M, N] and run one batched iteration."""
     LOOP = "loop"
@@ -342,38 +343,48 @@ class _Kernel:
         )
 
 
-_StrategyKey = tuple[int, int, torch.dtype, torch.dtype, torch.device, int]
-_STRATEGY_CACHE: dict[_StrategyKey, Strategy] = {}
+STRATEGY_DECISIONS = "ns-strategy"
+"""The batched-or-loop decisions' namespace in ``npu_core.decisions`` (folder, timer scope)."""
 
-
-def clear_strategy_cache() -> None:
-    """Forget the measured batched-or-loop choices, e.g. after the machine's load changed."""
-    _STRATEGY_CACHE.clear()
+STRATEGY_ROUNDS = 5
+"""Interleaved rounds per strategy decision: a large batch takes milliseconds per call, and the
+first optimizer step pays for every round."""
 
 
 def _choose_strategy(stacked: Tensor, kernel: _Kernel) -> Strategy:
-    """Batched or loop for this batch, measured once per (M, N, dtypes, device, count) and process.
+    """Batched or loop for this batch, measured once per (M, N, dtypes, count) and machine.
 
     No static rule is right everywhere (batching 200 [64, 64] matrices was measured 15x faster
     than a loop on one CPU, batching 74 [24, 10240] in bf16 3x slower), so it is measured on the
-    machine that runs it. The two run in alternating rounds and the per-round ratios decide, so a
-    burst of load from a neighbour slows both sides of a round instead of one choice; the choice
-    is kept for this process only, never written down for the next run on another machine.
+    machine that runs it (:func:`npu_core.decisions.decide`: interleaved rounds, medians, a tie
+    to batched; cached on disk per machine profile, which names the device). Where measuring is
+    switched off (``NPU_CORE_DECISIONS``) the batch runs batched.
     """
     count, rows, cols = stacked.shape
-    key = (rows, cols, stacked.dtype, kernel.dtype, stacked.device, count)
-    choice = _STRATEGY_CACHE.get(key)
-    if choice is None:
-        result = compare(
-            lambda: kernel.loop(stacked),
-            lambda: kernel.batched(stacked),
-            warmup=1,
-            repeats=4,
+    fields = {
+        "rows": rows,
+        "cols": cols,
+        "count": count,
+        "dtype": str(stacked.dtype),
+        "ns_dtype": str(kernel.dtype),
+    }
+    decision = decisions.decide(
+        STRATEGY_DECISIONS,
+        fields,
+        {
+            Strategy.LOOP.value: lambda: kernel.loop(stacked),
+            Strategy.BATCHED.value: lambda: kernel.batched(stacked),
+        },
+        fallback=Strategy.BATCHED.value,
+        baseline=Strategy.LOOP.value,
+        device=stacked.device,
+        timer=functools.partial(
+            interleaved_timer,
+            rounds=STRATEGY_ROUNDS,
             sync=synchronizer(stacked.device),
-        )
-        choice = Strategy.BATCHED if result.ratio_median >= 1.0 else Strategy.LOOP
-        _STRATEGY_CACHE[key] = choice
-    return choice
+        ),
+    )
+    return Strategy(decision.name)
 
 
 def _run_batch(stacked: Tensor, kernel: _Kernel, strategy: Strategy) -> Tensor:
@@ -422,7 +433,7 @@ def orthogonalize(
         eps: Lower bound of each matrix's norm.
         memory_budget_bytes: Cap on one batch's estimated working memory; None for no cap.
         strategy: ``"batched"``, ``"loop"``, or ``"auto"`` (measure both once per shape, dtype,
-            device and batch size, then reuse the faster; see :func:`clear_strategy_cache`).
+            batch size and machine profile, then reuse the faster; cached on disk).
         ns_dtype: The compute dtype, resolved per device by :func:`resolve_ns_dtype`.
         fast_matmul: The speed probe ``ns_dtype="auto"`` asks (None: npu_core's; tests inject one).
 

@@ -132,7 +132,8 @@ def _keep_outlined(
 ) -> bool:
     """The whole-graph check: True to keep the outlined regions. Where it cannot measure, the
     regions are put back (Inductor's graph is the one known not to lose to Inductor)."""
-    from mfusion.mlir.choice import decide_graph, timing_inputs_refusal
+    from mfusion.mlir.choice import decide_graph
+    from mfusion.mlir.standalone import timing_inputs_refusal
 
     refusal = timing_inputs_refusal(plain)
     if refusal is not None:
@@ -144,11 +145,14 @@ def _keep_outlined(
     except RuntimeError as error:
         record.whole_graph = f"regions put back: the graph did not compile or run ({error})"[:300]
         return False
-    assert decision.mlir_s is not None and decision.inductor_s is not None
-    times = (
-        f"with regions {decision.mlir_s * 1e3:.3f} ms vs without {decision.inductor_s * 1e3:.3f}"
-        f" ms (ratio {decision.mlir_s / decision.inductor_s:.3f}, {decision.source})"
-    )
+    if decision.mlir_s is None or decision.inductor_s is None:  # not timed (NPU_CORE_DECISIONS)
+        times = decision.source
+    else:
+        ratio = decision.mlir_s / decision.inductor_s
+        times = (
+            f"with regions {decision.mlir_s * 1e3:.3f} ms vs without "
+            f"{decision.inductor_s * 1e3:.3f} ms (ratio {ratio:.3f}, {decision.source})"
+        )
     verdict = "regions kept" if decision.use_mlir else "regions put back for Inductor"
     record.whole_graph = f"{verdict}: {times}"
     return decision.use_mlir

@@ -1,27 +1,28 @@
-"""Decisions measured on the machine that compiles: time two forms, keep the candidate only where
-it is clearly faster, and remember the answer on disk.
+"""The passes' two-way measured choices: a candidate form against Inductor's own, kept only where
+it is clearly faster on the machine that compiles.
 
 Shared by the passes whose right answer depends on the CPU (and on what else runs on it) rather
-than on a rule: ``linear_kernel`` (MKL or oneDNN for a frozen linear) and ``conv_layout``
-(channels-last or NCHW convolutions in a graph whose weights are inputs). Each decision is keyed
-by what was timed and the machine profile, so a second compile on the same machine measures
-nothing and a compile on another machine measures again.
+than on a rule: ``linear_kernel`` (MKL or oneDNN for a frozen linear), ``conv_layout``
+(channels-last or NCHW), ``attention`` (the flash kernel or two GEMMs) and ``patch_conv``
+(im2col + GEMM or oneDNN's convolution). Timing, the on-disk cache keyed by the machine profile
+and the switches are ``npu_core.decisions``'; this module adds mfusion's policy (:data:`MIN_GAIN`,
+Inductor's form as the fallback), its cache folder (``$MFUSION_CACHE_DIR/<kind>``) and the
+sample sizes that suit these calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
-import os
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
 
+import torch
+
+from mfusion import env
 from mfusion.machine import MachineProfile
-from mfusion.mlir.choice import Timer, interleaved_timer
-from mfusion.mlir.choice import cache_dir as mlir_cache_dir
+from npu_core import decisions
+from npu_core.timing import Call, interleaved_timer
 
 MIN_GAIN = 0.03
 """The candidate must take at most ``1 - MIN_GAIN`` of the baseline's time: a tie stays with
@@ -48,7 +49,8 @@ class Choice:
     candidate_s: float | None
     baseline_s: float | None
     source: str
-    """``measured``, ``cache`` or the policy that forced it (``linear_kernel=onednn``)."""
+    """``measured``, ``cache``, the policy that forced it (``linear_kernel=onednn``) or why the
+    fallback was taken (``NPU_CORE_DECISIONS``)."""
     candidate: str
     baseline: str
 
@@ -62,40 +64,23 @@ class Choice:
         )
 
 
-_TIMER: list[Timer] = []
-
-
-@contextlib.contextmanager
-def use_timer(timer: Timer) -> Iterator[None]:
-    """Decide with ``timer(candidate_call, baseline_call)`` inside the block (tests inject fixed
-    times: no test may depend on the speed of the machine it runs on)."""
-    _TIMER.append(timer)
-    try:
-        yield
-    finally:
-        _TIMER.pop()
-
-
-def timer() -> Timer:
-    """The timer of the innermost :func:`use_timer` block, else :func:`default_timer`."""
-    return _TIMER[-1] if _TIMER else default_timer
-
-
-def default_timer(
-    candidate: Callable[[], object], baseline: Callable[[], object]
-) -> tuple[float, float]:
-    """Median per-call seconds of both in interleaved rounds (the ``mlir-cpu`` choice's timer),
-    fewer rounds for long calls."""
+def default_timer(calls: Mapping[str, Call]) -> dict[str, float]:
+    """npu_core's interleaved timer with this module's sample size, fewer rounds for long calls
+    (judged by one call of the last candidate, the baseline)."""
+    baseline = list(calls.values())[-1]
     start = time.perf_counter()
     baseline()
     rounds = ROUNDS if time.perf_counter() - start < LARGE_CALL_S else LARGE_ROUNDS
-    return interleaved_timer(candidate, baseline, rounds, SAMPLE_S)
+    return interleaved_timer(calls, rounds, SAMPLE_S)
 
 
-def decisions_dir(kind: str) -> Path:
-    """``<kind>`` next to the ``mlir-cpu`` decisions (``$MFUSION_CACHE_DIR``, else under
-    ``$XDG_CACHE_HOME/mfusion`` or ``~/.cache/mfusion``)."""
-    return mlir_cache_dir().parent / kind
+@contextlib.contextmanager
+def _real_tensors() -> Iterator[None]:
+    """Real tensors and no autograd inside a compile: the candidates run on random inputs."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        yield
 
 
 def decide(
@@ -103,33 +88,47 @@ def decide(
     fields: dict[str, object],
     machine: MachineProfile,
     labels: tuple[str, str],
-    measure: Callable[[], tuple[float, float]],
+    calls: Callable[[], tuple[Call, Call]],
+    fallback_chosen: bool = False,
 ) -> Choice:
-    """The cached decision for ``fields`` on ``machine``, else ``measure()`` = (candidate
-    seconds, baseline seconds), decided at :data:`MIN_GAIN` and written to the cache."""
-    key = _cache_key(fields, machine)
-    path = decisions_dir(kind) / f"{key}.json"
-    try:
-        data = json.loads(path.read_text())
-        times = data["candidate_s"], data["baseline_s"]
-        return Choice(bool(data["chosen"]), *times, "cache", *labels)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    candidate_s, baseline_s = measure()
-    chosen = candidate_s <= (1 - MIN_GAIN) * baseline_s
-    choice = Choice(chosen, candidate_s, baseline_s, "measured", *labels)
-    _write(path, {"chosen": chosen, "candidate_s": candidate_s, "baseline_s": baseline_s, **fields})
-    return choice
+    """The cached decision for ``fields`` on ``machine``, else ``calls()`` = (candidate,
+    baseline) timed now and decided at :data:`MIN_GAIN`; ``fallback_chosen`` where nothing may be
+    timed (``NPU_CORE_DECISIONS``).
 
+    Args:
+        kind: The cache folder under ``$MFUSION_CACHE_DIR`` and the timer scope.
+        fields: What the decision depends on besides the machine (shapes, dtypes, options).
+        machine: The profile the decision holds for.
+        labels: (candidate, baseline) names, as reports print them.
+        calls: Builds both calls on random inputs (run with fake tensors off, no autograd).
+        fallback_chosen: The answer without timing: Inductor's form unless the pass documents a
+            rule measured elsewhere.
+    """
+    candidate, baseline = labels
 
-def _cache_key(fields: dict[str, object], machine: MachineProfile) -> str:
-    text = json.dumps({**fields, "machine": machine.fingerprint()}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    def candidates() -> dict[str, Call]:
+        with _real_tensors():
+            candidate_call, baseline_call = calls()
+        return {candidate: candidate_call, baseline: baseline_call}
 
-
-def _write(path: Path, data: dict[str, object]) -> None:
-    """The decision, and what it was taken for (for a reader of the file; the key holds it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    tmp.replace(path)  # atomic: a concurrent compile never reads half
+    decision = decisions.decide(
+        kind,
+        fields,
+        candidates,
+        fallback=candidate if fallback_chosen else baseline,
+        baseline=baseline,
+        min_gain=MIN_GAIN,
+        profile=machine.decision_profile(),
+        cache=decisions.DecisionCache(env.cache_root()),
+        timer=default_timer,
+        around=_real_tensors,
+    )
+    seconds = decision.seconds
+    return Choice(
+        decision.name == candidate,
+        seconds[candidate] if seconds else None,
+        seconds[baseline] if seconds else None,
+        decision.source,
+        candidate,
+        baseline,
+    )

@@ -12,9 +12,12 @@ materialised ``[B, H, L, S]`` score tensor that is written and read three times.
 Machine- and shape-dependent (measured, not universal): the flash kernel never materialises the
 scores, which pays when they are large, but at short key lengths Inductor's fused softmax between
 two BLAS calls is as fast or faster, and in bf16 the CPU flash kernel was measured slower at every
-length tried. Hence :data:`MIN_KEYS`: the smallest key length, per dtype, from which the rewrite
-was measured to pay (one thread, AVX-512 CPU, both forms compiled by Inductor); dtypes absent
-from it are refused. CPU only: on GPUs Inductor's own patterns and kernels are left to decide.
+length tried on one AVX-512 CPU. So each attention shape is timed on the machine that compiles
+(the flash call against Inductor's compiled bmm + softmax + bmm, on random inputs of the graph's
+shapes, mask form and dtype; ``mfusion.passes._measured``, cached per shape and machine profile)
+and rewritten only where flash is clearly faster. :data:`MIN_KEYS`, one machine's measurement,
+is the fallback where timing is switched off. CPU only: on GPUs Inductor's own patterns and
+kernels are left to decide.
 
 Two forms the kernel runs cheaper, used where they are provably the same computation:
 
@@ -44,6 +47,7 @@ import torch
 from torch import fx
 
 from mfusion.config import MFusionConfig
+from mfusion.passes._attention_form import CACHE_KIND, LABELS, AttentionForm
 from mfusion.passes._graph import (
     CONVERT,
     as_node,
@@ -59,16 +63,19 @@ from mfusion.passes._graph import (
     replace,
     tensor_val,
 )
+from mfusion.passes._measured import decide
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 MIN_KEYS: dict[torch.dtype, int] = {torch.float32: 512}
-"""Smallest key length (``S`` of the ``[B, H, L, S]`` scores) from which the flash call was
-measured faster than Inductor's bmm + fused softmax + bmm (fp32, ``[2, 4, L, 64]`` with a causal
+"""The fallback where nothing may be timed (``NPU_CORE_DECISIONS=cached|fallback``): the smallest
+key length (``S`` of the ``[B, H, L, S]`` scores) from which the flash call was measured faster
+than Inductor's bmm + fused softmax + bmm on one machine (fp32, ``[2, 4, L, 64]`` with a causal
 additive mask, one thread, 31 interleaved rounds on an AVX-512 CPU: S = L = 128: 0.98x, p25-p75
 0.82-1.09, i.e. no gain; S = L = 512: 1.19x, p25-p75 1.14-1.25). bf16 is absent: the CPU flash
-kernel measured 0.64x at 128 and 0.64x at 512 (p25-p75 0.61-0.70)."""
+kernel measured 0.64x at 128 and 0.64x at 512 (p25-p75 0.61-0.70). Everywhere else the decision
+is timed (:class:`~mfusion.passes._attention_form.AttentionForm`)."""
 
 
 def _static_shape(node: object) -> tuple[int, ...] | None:
@@ -298,11 +305,6 @@ class AttentionPass(MFusionPass):
                 )
             if dtype_of(mask) != dtype:
                 raise Refusal(f"mask dtype {dtype_of(mask)} differs from the queries' {dtype}")
-        threshold = MIN_KEYS.get(dtype)
-        if threshold is None:
-            raise Refusal(f"{dtype}: the CPU flash kernel was not measured to pay (MIN_KEYS)")
-        if keys < threshold:
-            raise Refusal(f"key length {keys} < {threshold}: measured not to pay (MIN_KEYS)")
         causal = isinstance(mask, fx.Node) and is_causal_mask(mask, length, keys)
         k_in, v_in, n_rep = k, v, 1
         grouped_k, grouped_v = ungrouped(k), ungrouped(v)
@@ -313,6 +315,19 @@ class AttentionPass(MFusionPass):
             and flash_takes_gqa()
         ):
             (k_in, n_rep), (v_in, _) = grouped_k, grouped_v
+        form = AttentionForm(
+            dtype, (b, h, length, e), keys, ev, _static_shape(mask), causal, n_rep, low is not None
+        )
+        choice = decide(
+            CACHE_KIND,
+            form.fields(),
+            config.resolved_machine(),
+            LABELS,
+            form.calls,
+            fallback_chosen=keys >= MIN_KEYS.get(dtype, keys + 1),
+        )
+        if not choice.chosen:
+            raise Refusal(f"{form.describe()}: flash not faster here, {choice.describe()}")
 
         def rewrite() -> str:
             graph = node.graph
@@ -337,9 +352,12 @@ class AttentionPass(MFusionPass):
                     replace(user, out)
             if node.users:
                 replace(node, emit(graph, aten.reshape.default, out, [b * h, length, ev]))
-            form = "causal, " if causal else "masked, " if mask is not None else ""
-            form += f"GQA {h // n_rep} K/V heads, " if n_rep > 1 else ""
-            return f"flash attention ({form}{dtype}, L={length}, S={keys}, scale {scale:.4g})"
+            kind = "causal, " if causal else "masked, " if mask is not None else ""
+            kind += f"GQA {h // n_rep} K/V heads, " if n_rep > 1 else ""
+            return (
+                f"flash attention ({kind}{dtype}, L={length}, S={keys}, scale {scale:.4g}): "
+                f"{choice.describe()}"
+            )
 
         return rewrite
 

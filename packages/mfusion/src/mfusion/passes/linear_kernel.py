@@ -44,7 +44,7 @@ from mfusion.config import LinearKernelPolicy, MFusionConfig
 from mfusion.machine import MachineProfile
 from mfusion.passes._activation import Activation, activation_after
 from mfusion.passes._graph import fake_mode_of, is_op, replace, tensor_val
-from mfusion.passes._measured import Choice, decide, timer
+from mfusion.passes._measured import Choice, decide
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
 from mfusion.passes.registry import PASS_REGISTRY
 
@@ -56,7 +56,7 @@ ONEDNN_PACK = torch.ops.mkldnn._reorder_linear_weight.default
 
 
 CACHE_KIND = "linear-kernel"
-"""The GEMM-library decisions' folder (:func:`~mfusion.passes._measured.decisions_dir`)."""
+"""The GEMM-library decisions' folder under ``$MFUSION_CACHE_DIR``."""
 
 
 @dataclasses.dataclass
@@ -108,15 +108,9 @@ def _decide(
         forced = policy == LinearKernelPolicy.ONEDNN
         return Choice(forced, None, None, f"linear_kernel={policy}", *labels)
     fields: dict[str, object] = {"mkn": list(mkn), "bias": bias, **extra}
-
-    def measure() -> tuple[float, float]:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily(), torch.no_grad():
-            candidate, baseline = calls(_Operands.random(*mkn, bias))
-            return timer()(candidate, baseline)
-
-    choice = decide(CACHE_KIND, fields, machine, labels, measure)
+    choice = decide(
+        CACHE_KIND, fields, machine, labels, lambda: calls(_Operands.random(*mkn, bias))
+    )
     if choice.source == "measured":
         log.info("linear %s (bias %s): %s", "x".join(map(str, mkn)), bias, choice.describe())
     return choice
@@ -171,7 +165,7 @@ def _activation_loop(
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from mfusion.mlir.choice import inductor_compiled
+    from mfusion.mlir.standalone import inductor_compiled
     from mfusion.passes.base import PassContext
     from mfusion.passes.rational import RationalPass
     from mfusion.report import GraphReport

@@ -17,30 +17,44 @@ The float sum is reassociated (the GEMM's order, not oneDNN's), as any GEMM chan
 
 Machine-dependent: this trades one kernel (oneDNN's convolution) for two (a copy and a GEMM)
 and does not do less work, so whether it pays depends on the CPU's kernels, ISA level and dtype.
-With ``MFusionConfig.patch_conv="auto"`` (the default) a shape class is rewritten only where
-:data:`MEASURED` lists it for the machine profile's ISA level and the convolution's dtype, on
-CPU; everywhere else (unmeasured ISA levels such as AMX or ARM, GPUs, NPUs) the convolution is
-kept, which is the graph the user wrote. ``"on"`` applies the shape rule anywhere, ``"off"``
-nowhere. The profile and the policy are part of the pass manager's ``uuid()``.
+With ``MFusionConfig.patch_conv="auto"`` (the default) each convolution shape the rule admits is
+timed on the machine that compiles, both forms compiled by Inductor (``mfusion.passes._measured``,
+cached per shape and machine profile), and rewritten only where im2col + GEMM is clearly faster;
+:data:`MEASURED`, one machine's per-ISA-level table, is the fallback where timing is switched
+off. Other devices (GPUs, NPUs) keep the convolution, which is the graph the user wrote. ``"on"``
+applies the shape rule anywhere, ``"off"`` nowhere. The profile and the policy are part of the
+pass manager's ``uuid()``.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import fx
 
 from mfusion.config import MFusionConfig, PatchConvPolicy
 from mfusion.passes._graph import FLOAT_DTYPES, aten, emit, is_op, replace, tensor_val
+from mfusion.passes._measured import decide
 from mfusion.passes.base import MFusionPass, Refusal, Rewrite
+from npu_core.timing import Call
+
+CACHE_KIND = "patch-conv"
+"""The im2col-or-not decisions' folder under ``$MFUSION_CACHE_DIR``."""
+
+LABELS = ("im2col + GEMM", "convolution")
 
 TILES = "tiles"
 """stride == kernel: the windows tile the image (ViT/CLIP patch embedding); any channels."""
 SINGLE_CHANNEL = "single-channel"
 """One input channel, any stride: windows of a spectrogram (speech front ends)."""
 
-# (ISA level of mfusion.machine.MachineProfile.isa_level, dtype) -> shape classes measured to pay
-# there, compiled by Inductor at one thread (convolution alone vs the rewritten form alone, and
-# whole models). Levels and dtypes not listed keep every convolution under patch_conv="auto".
+# The fallback where nothing may be timed (NPU_CORE_DECISIONS=cached|fallback): (ISA level of
+# mfusion.machine.MachineProfile.isa_level, dtype) -> shape classes measured to pay there on one
+# machine, compiled by Inductor at one thread (convolution alone vs the rewritten form alone, and
+# whole models). Levels and dtypes not listed keep every convolution in that case.
 # Ratios are oneDNN convolution time / im2col + GEMM time, both compiled:
 #   AVX-512 BF16 CPU, fp32: 8x8/8 over 3 channels 2.06, 3x3/2 over 1 channel 1.41, 3x3/2 over 32
 #     channels 0.46; bf16: 1.87, 1.59, 0.70.
@@ -110,10 +124,11 @@ class PatchConvPass(MFusionPass):
             )
         if vx.dtype != vw.dtype or vx.dtype not in FLOAT_DTYPES:
             raise Refusal(f"input/weight dtypes {vx.dtype}/{vw.dtype}: need one floating dtype")
-        _check_policy(config, shape_cls, vx.dtype, vx.device)
         vb = tensor_val(b)
         if b is not None and (vb is None or vb.dtype != vx.dtype):
             raise Refusal("bias dtype differs from the input's")
+        conv = PatchConv(vx.dtype, shape, tuple(vw.shape), strides, b is not None)
+        reason = _check_policy(config, shape_cls, conv, vx.device)
         n, c = shape[:2]
         kh, kw = kernel
         ho, wo = vo.shape[2], vo.shape[3]
@@ -136,18 +151,69 @@ class PatchConvPass(MFusionPass):
             replace(node, emit(graph, aten.permute.default, out, [0, 3, 1, 2]))
             return (
                 f"{kh}x{kw}/{strides[0]}x{strides[1]} convolution {c}->{out_channels} as "
-                f"[{n * ho * wo}, {c * kh * kw}] x [{c * kh * kw}, {out_channels}] GEMM"
+                f"[{n * ho * wo}, {c * kh * kw}] x [{c * kh * kw}, {out_channels}] GEMM{reason}"
             )
 
         return rewrite
 
 
+@dataclasses.dataclass(frozen=True)
+class PatchConv:
+    """One convolution the shape rule admits: everything its timing depends on."""
+
+    dtype: torch.dtype
+    input: tuple[int, ...]
+    weight: tuple[int, ...]
+    stride: tuple[int, ...]
+    bias: bool
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "dtype": str(self.dtype),
+            "input": list(self.input),
+            "weight": list(self.weight),
+            "stride": list(self.stride),
+            "bias": self.bias,
+        }
+
+    def calls(self) -> tuple[Call, Call]:
+        """(im2col + GEMM, the convolution), each compiled by Inductor alone on its first call
+        (a test's fake timer never pays for the compiles), on random inputs of these shapes."""
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from mfusion.mlir.standalone import inductor_compiled
+
+        generator = torch.Generator().manual_seed(0)
+        shapes = [self.input, self.weight] + ([self.weight[:1]] if self.bias else [])
+        inputs = [torch.randn(s, generator=generator).to(self.dtype) for s in shapes]
+
+        def convolution(x: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.conv2d(x, w, b[0] if b else None, stride=self.stride)
+
+        def gemm(x: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
+            (kh, kw), (sh, sw) = self.weight[2:], self.stride
+            windows = x.unfold(2, kh, sh).unfold(3, kw, sw).permute(0, 2, 3, 1, 4, 5)
+            n, ho, wo = windows.shape[:3]
+            rows = windows.reshape(n * ho * wo, -1) @ w.reshape(w.shape[0], -1).T
+            rows = rows + b[0] if b else rows
+            return rows.view(n, ho, wo, -1).permute(0, 3, 1, 2)
+
+        def lazily_compiled(fn: Callable[..., torch.Tensor]) -> Call:
+            gm = make_fx(fn, decomposition_table=select_decomp_table())(*inputs)
+            kernel = functools.cache(lambda: inductor_compiled(gm, inputs))
+            return lambda: kernel()(*inputs)
+
+        return lazily_compiled(gemm), lazily_compiled(convolution)
+
+
 def _check_policy(
-    config: MFusionConfig, shape_cls: str, dtype: torch.dtype, device: torch.device
-) -> None:
-    """Raise :class:`Refusal` unless the policy lets ``shape_cls`` be rewritten on this machine."""
+    config: MFusionConfig, shape_cls: str, conv: PatchConv, device: torch.device
+) -> str:
+    """What lets ``conv`` be rewritten on this machine (appended to the rewrite's note); raise
+    :class:`Refusal` where the policy or the measurement keeps the convolution."""
     if config.patch_conv is PatchConvPolicy.ON:
-        return
+        return ""
     if config.patch_conv is PatchConvPolicy.OFF:
         raise Refusal("disabled by patch_conv='off'")
     if device.type != "cpu":
@@ -157,8 +223,17 @@ def _check_policy(
         )
     machine = config.resolved_machine()
     level = machine.isa_level
-    if shape_cls not in MEASURED.get((level, dtype), frozenset()):
+    choice = decide(
+        CACHE_KIND,
+        conv.fields(),
+        machine,
+        LABELS,
+        conv.calls,
+        fallback_chosen=shape_cls in MEASURED.get((level, conv.dtype), frozenset()),
+    )
+    if not choice.chosen:
         raise Refusal(
-            f"{shape_cls} convolution in {dtype} on ISA level {level!r}: not measured to pay "
-            f"there ({machine.describe()}; patch_conv='on' forces it)"
+            f"{shape_cls} convolution in {conv.dtype} on ISA level {level!r}: not faster here, "
+            f"{choice.describe()} ({machine.describe()}; patch_conv='on' forces it)"
         )
+    return f": {choice.describe()}"
