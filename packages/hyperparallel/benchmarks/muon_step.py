@@ -28,11 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from hyperparallel.models.parallelize import build_mesh
 from hyperparallel.optim import Muon
 from hyperparallel.optim import newton_schulz as ns
 from hyperparallel.optim.distributed import ShardedNewtonSchulz
 from hyperparallel.optim.plan import shard_rows
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.bench import BenchTable, compare
 from npu_core.dist import launch
 from npu_core.memory import memory_stats, reset_peak_memory_stats
@@ -93,7 +93,7 @@ class _GatherEverything:
 def _rank(experts: bool) -> dict:
     torch.manual_seed(0)
     model = MixedModel(experts)
-    fully_shard(model, mesh=build_mesh((WORLD,), "cpu"))
+    fully_shard(model, mesh=ParallelDims(dp_shard=WORLD).build("cpu").dense)
     params = list(model.parameters())
     grads = [distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements) for p in params]
     variants = {"hyperparallel": Muon(params, lr=0.02), "gather-all": Muon(params, lr=0.02)}

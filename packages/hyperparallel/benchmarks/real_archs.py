@@ -53,13 +53,13 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from hyperparallel.activation import track_saved_activations
 from hyperparallel.models.hf import CausalLM
 from hyperparallel.optim.hybrid import get_hyper_optimizer
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.bench import BenchTable
 from npu_core.dist import launch
 from npu_core.memory import memory_stats, reset_peak_memory_stats
@@ -250,7 +250,7 @@ def _batch(step: int, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, t
 def _rank(family: str, args: dict[str, int]) -> dict[str, Any]:
     torch.set_num_threads(1)  # 2 ranks share the 2 cores
     mapped = _map_large_allocations()
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
+    mesh = ParallelDims(dp_shard=WORLD).build("cpu").dense
     variants = [_Variant(name, family, args["vocab"], mesh) for name in VARIANTS]
     results: dict[str, dict[str, list[float]]] = {
         v.name: {"time": [], "loss": [], "peak": [], "saved": []} for v in variants

@@ -2,23 +2,17 @@
 
 Only the process-placement variables that torchrun and the npu-core launcher set are read; every
 setting of a run is a configuration field instead (``--set``), so a run is reproducible from its
-``metrics.json``.
+``metrics.json``. The global rank is npu-core's (:func:`npu_core.env.launch_rank`).
 """
 
 from __future__ import annotations
 
 import os
 
-RANK = "RANK"
-"""Global rank of this process (torchrun / npu-core launcher); unset means a single process."""
+from npu_core.env import launch_rank
 
 LOCAL_RANK = "LOCAL_RANK"
 """Rank on this node; chooses the accelerator index."""
-
-
-def rank() -> int:
-    """This process's global rank, 0 outside a distributed launch."""
-    return int(os.environ.get(RANK, "0"))
 
 
 def local_rank() -> int:
@@ -28,4 +22,4 @@ def local_rank() -> int:
 
 def is_rank_zero() -> bool:
     """True in the process that reports, writes metrics and removes files (rank 0 or alone)."""
-    return rank() == 0
+    return launch_rank() == 0

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from hyperparallel.models.parallelize import build_mesh
 from hyperparallel.optim import Muon
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.dist import launch
 from npu_core.testing import requires_cuda
 
@@ -77,7 +77,7 @@ def _sharded(device_type: str, ns_dtype: str) -> dict:
     torch.manual_seed(0)
     reference = _Mixed()
     model = copy.deepcopy(reference).to(device)
-    fully_shard(model, mesh=build_mesh((world,), device_type))
+    fully_shard(model, mesh=ParallelDims(dp_shard=world).build(device_type).dense)
     opt = Muon(model.parameters(), lr=0.05, ns_dtype=ns_dtype)
 
     def step(index: int) -> None:

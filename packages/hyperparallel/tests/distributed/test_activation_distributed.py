@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
 from hyperparallel.activation import EarlyRecompute1F1B, SwapSchedule, checkpoint_wrapper
 from hyperparallel.models.moe import MoEConfig, MoETransformer
 from hyperparallel.models.parallelize import apply_activation_memory, apply_fsdp
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed
@@ -77,7 +77,7 @@ def _fsdp_rank() -> float:
     apply_activation_memory(
         model, ["selective_swap", "recompute"], swap_inputs=True, swap_threshold_bytes=0
     )
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = ParallelDims(dp_shard=2).build("cpu").dense
     apply_fsdp(reference, mesh)
     apply_fsdp(model, mesh)
     torch.manual_seed(1 + dist.get_rank())

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from hyperparallel.models.parallelize import build_mesh
 from hyperparallel.optim import Muon
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed
@@ -28,11 +28,11 @@ def _reference(mixed, steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _sharded(mixed, mesh_shape: tuple[int, ...], steps: int) -> list[list[float]]:
+def _sharded(mixed, dims: ParallelDims, steps: int) -> list[list[float]]:
     torch.manual_seed(0)
     model = mixed()
     full = copy.deepcopy(model)
-    fully_shard(model, mesh=build_mesh(mesh_shape, "cpu"))
+    fully_shard(model, mesh=dims.build("cpu").dense)
     opt = Muon(model.parameters(), lr=0.05, ns_dtype="bf16")
     for step in range(steps):
         for p, g in zip(model.parameters(), full.random_grads(step), strict=True):
@@ -42,11 +42,14 @@ def _sharded(mixed, mesh_shape: tuple[int, ...], steps: int) -> list[list[float]
     return [p.full_tensor().tolist() for p in model.parameters()]
 
 
-@pytest.mark.parametrize(("world", "mesh_shape"), [(2, (2,)), (4, (4,)), (4, (2, 2))])
-def test_fsdp_and_hsdp_updates_equal_single_process(world, mesh_shape, mixed_shapes):
+@pytest.mark.parametrize(
+    "dims",
+    [ParallelDims(dp_shard=2), ParallelDims(dp_shard=4), ParallelDims(dp_replicate=2, dp_shard=2)],
+)
+def test_fsdp_and_hsdp_updates_equal_single_process(dims, mixed_shapes):
     """Three steps on FSDP world 2 and 4 and HSDP 2x2 match the single-process reference."""
     expected = _reference(mixed_shapes, 3)
-    for rank_result in launch(_sharded, world, mixed_shapes, mesh_shape, 3, timeout=180):
+    for rank_result in launch(_sharded, dims.world_size, mixed_shapes, dims, 3, timeout=180):
         for got, want in zip(rank_result, expected, strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
@@ -54,7 +57,7 @@ def test_fsdp_and_hsdp_updates_equal_single_process(world, mesh_shape, mixed_sha
 def _nan_on_one_rank(mixed) -> tuple[bool, bool, int]:
     torch.manual_seed(0)
     model = mixed()
-    fully_shard(model, mesh=build_mesh((2,), "cpu"))
+    fully_shard(model, mesh=ParallelDims(dp_shard=2).build("cpu").dense)
     params = list(model.parameters())
     before = [p.full_tensor().clone() for p in params]
     opt = Muon(params, lr=0.05)

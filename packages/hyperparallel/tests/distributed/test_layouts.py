@@ -210,14 +210,15 @@ def _parameter_shares(layouts: dict[str, str], out: str) -> dict[str, dict]:
     import torch
     from torch.distributed.tensor import DTensor
 
+    from hyperparallel.models.moe import MoETransformer
     from hyperparallel.parallel.mesh import parse_mesh
-    from hyperparallel.train.model import MoETransformer, build_model
+    from hyperparallel.train.registry import model_spec
 
     shares: dict[str, dict] = {}
     for key, mesh in layouts.items():
         cfg = _config(Path(out) / key, mesh)
         meshes = parse_mesh(mesh, dist.get_world_size()).build("cpu")
-        owner = build_model(cfg, meshes, torch.device("cpu")).owner
+        owner = model_spec(cfg).build(meshes, torch.device("cpu")).owner
         shares[key] = {
             name: (
                 isinstance(p, DTensor),

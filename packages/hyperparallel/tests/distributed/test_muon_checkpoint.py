@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from hyperparallel.models.parallelize import build_mesh
 from hyperparallel.optim import Muon
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.distributed
 def _setup(mixed, seed: int):
     torch.manual_seed(seed)
     model = mixed()
-    fully_shard(model, mesh=build_mesh((dist.get_world_size(),), "cpu"))
+    fully_shard(model, mesh=ParallelDims(dp_shard=dist.get_world_size()).build("cpu").dense)
     return model, Muon(model.parameters(), lr=0.05)
 
 

@@ -57,6 +57,10 @@ def _updates() -> list[torch.Tensor]:
 
 def _distribute(layout: str, tensors: list[torch.Tensor]) -> list:
     shape, names, dense, experts = LAYOUTS[layout]
+    # A bare mesh, not hyperparallel.parallel.mesh's: the 6 experts here split unevenly over
+    # ep x dp_shard (a layout the job refuses), and with torch 2.14 full_tensor() of such a
+    # (Shard(0), Shard(0)) DTensor on a sub-mesh whose root also has the flattened dp_shard_ep
+    # dimension returns the rows in the wrong order (the local shards are right).
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return [distribute_tensor(t, mesh, experts if t.ndim == 3 else dense) for t in tensors]
 

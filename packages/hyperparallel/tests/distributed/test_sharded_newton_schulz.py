@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from hyperparallel.optim.distributed import ShardedNewtonSchulz
 from hyperparallel.optim.plan import shard_rows
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.dist import launch
 
 pytestmark = pytest.mark.distributed
@@ -40,9 +40,10 @@ def _run(mesh_shape: tuple[int, ...], batch_bytes: int | None) -> tuple[list, in
         return [_reference_ns(m) for m in matrices]
 
     if len(mesh_shape) == 1:
-        mesh, placements = init_device_mesh("cpu", mesh_shape), [Shard(0)]
+        mesh, placements = ParallelDims(dp_shard=mesh_shape[0]).build("cpu").dense, [Shard(0)]
     else:
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        replicas, shards = mesh_shape
+        mesh = ParallelDims(dp_replicate=replicas, dp_shard=shards).build("cpu").dense
         placements = [Replicate(), Shard(0)]
     updates = [distribute_tensor(u, mesh, placements) for u in _updates()]
     engine = ShardedNewtonSchulz(local, batch_bytes=batch_bytes)
@@ -75,7 +76,7 @@ def test_sharded_ns_matches_single_process(world, mesh_shape, batch_bytes):
 
 
 def _two_meshes() -> list:
-    first, second = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2,))
+    first, second = (ParallelDims(dp_shard=2).build("cpu").dense for _ in range(2))
     generator = torch.Generator().manual_seed(0)
     full = [torch.randn(6, 4, generator=generator), torch.randn(5, 3, generator=generator)]
     updates = [

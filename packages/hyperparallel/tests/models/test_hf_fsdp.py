@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from hyperparallel.models.hf import CausalLM
 from hyperparallel.optim.hybrid import get_hyper_optimizer
+from hyperparallel.parallel.mesh import ParallelDims
 from npu_core.dist import launch
 from packages.hyperparallel.tests.tiny_hf import FAMILIES, TINY_HF_SHAPE
 
@@ -38,7 +38,7 @@ def _fsdp_step(
 ) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One FSDP2 step on this rank's half of the global batch: (mean loss, grads, new params)."""
     model = _wrapped(shape, family)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    mesh = ParallelDims(dp_shard=2).build("cpu").dense
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -1,14 +1,14 @@
-"""The named mesh, pipeline stage placement and layout checks (pure Python, no ranks)."""
+"""The named mesh's sizes, parsing and batch split, and pipeline stage placement (pure Python,
+no ranks; building and looking up meshes is in ``tests/distributed/test_mesh_build.py``)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from hyperparallel.parallel.layout import check_layout, local_batch_size
 from hyperparallel.parallel.mesh import ParallelDims, parse_mesh
 from hyperparallel.parallel.pipeline import split_layers, stage_holder, stage_ids
-from hyperparallel.train.config import load_config
-from hyperparallel.train.presets import debug
 
 
 @pytest.mark.parametrize(
@@ -75,29 +75,25 @@ def test_layers_split_contiguously_and_evenly():
         split_layers(1, 2)
 
 
-@pytest.mark.parametrize(
-    ("overrides", "mesh", "message"),
-    [
-        (["data.global_batch_size=6"], "ep=4", "global_batch_size=6 is not divisible by the 4"),
-        (["parallel.microbatches=3"], "pp=2,dp_shard=2", "microbatches=3 must divide the 4"),
-        (["model.n_experts=6"], "ep=2,dp_shard=2", "n_experts=6 must be divisible by ep x"),
-        ([], "pp=2,dp_shard=2", "model.n_layers=1 is fewer than the 2 pipeline stages"),
-        (
-            ["model.n_layers=4", "parallel.pp_schedule='dualpipev'", "parallel.microbatches=2"],
-            "pp=2,dp_shard=2",
-            "microbatches=2 is below the 4 stages",
-        ),
-    ],
-)
-def test_layout_conflicts_are_named(overrides, mesh, message):
-    """Settings that do not fit the mesh are refused before ranks start, naming both."""
-    cfg = load_config(debug(), overrides=overrides)
-    with pytest.raises(ValueError, match=message):
-        check_layout(cfg, parse_mesh(mesh, 4))
+@pytest.mark.parametrize("size", [0, -2, 1.5, True, "2"])
+def test_dims_refuse_a_size_that_is_not_a_positive_integer(size):
+    """A layout built in code is checked like a parsed one, naming the dimension."""
+    with pytest.raises(ValueError, match=re.escape(f"mesh dimension ep={size!r}: give a positive")):
+        ParallelDims(ep=size)
 
 
 def test_global_batch_splits_over_data_parallel_ranks():
     """global_batch_size / dp ranks per rank; batch_size per rank without it."""
-    assert local_batch_size(8, 16, ParallelDims(pp=2, dp_shard=2), 4) == 8
-    assert local_batch_size(8, 16, ParallelDims(dp_shard=4), 1) == 4
-    assert local_batch_size(3, None, ParallelDims(dp_shard=4), 1) == 3
+    assert ParallelDims(pp=2, dp_shard=2).local_batch_size(8, 16, 4) == 8
+    assert ParallelDims(dp_shard=4).local_batch_size(8, 16, 1) == 4
+    assert ParallelDims(dp_shard=4).local_batch_size(3, None, 1) == 3
+
+
+def test_batch_split_conflicts_name_both_settings():
+    """A global batch the data-parallel ranks cannot share, or micro-batches that do not divide
+    the local batch under pp, are refused with the mesh named."""
+    with pytest.raises(ValueError, match=r"global_batch_size=6 is not divisible by the 4 .* ep=4"):
+        ParallelDims(ep=4).local_batch_size(8, 6, 1)
+    with pytest.raises(ValueError, match=r"microbatches=3 must divide the 4 .* pp=2,dp_shard=2"):
+        ParallelDims(pp=2, dp_shard=2).local_batch_size(4, None, 3)
+    assert ParallelDims(dp_shard=4).local_batch_size(4, None, 3) == 4  # no pp: no micro-batches

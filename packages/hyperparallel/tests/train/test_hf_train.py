@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from hyperparallel.cli import app
 from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.data.tokens import encode, load_text
-from hyperparallel.train import hf_model
 from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
+from hyperparallel.train.registry import model_spec
 from packages.hyperparallel.tests.tiny_hf import QWEN3_MOE, TINY_HF_SHAPE
 
 MOE = QWEN3_MOE
@@ -116,9 +116,9 @@ def test_training_batches_come_from_the_model_folders_tokenizer(tmp_path: Path):
     overrides = [f"hf.source={str(folder)!r}", f"data.path={str(tmp_path / 'corpus.txt')!r}"]
 
     cfg = load_config(debug(), overrides=overrides)
-    model = hf_model.resolve(cfg)
-    assert model.tokenizer == folder
-    inputs, targets = hf_model.batches(cfg, model).train_batch(0, 0, cfg.data.batch_size)
+    spec = model_spec(cfg)
+    assert spec.model.tokenizer == folder
+    inputs, targets = spec.batches().train_batch(0, 0, cfg.data.batch_size)
     reference = tok.encode(corpus).ids
     assert int(inputs.max()) < tok.get_vocab_size() <= 16  # bytes map to larger ids
     window = inputs[0].tolist()
@@ -127,7 +127,7 @@ def test_training_batches_come_from_the_model_folders_tokenizer(tmp_path: Path):
     assert inputs[0, 1:].tolist() == targets[0, :-1].tolist()
 
     as_bytes = load_config(debug(), overrides=[*overrides, "hf.tokenizer='bytes'"])
-    assert hf_model.resolve(as_bytes).tokenizer is None
+    assert model_spec(as_bytes).model.tokenizer is None
 
 
 @pytest.mark.distributed

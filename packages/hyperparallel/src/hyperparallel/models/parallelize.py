@@ -1,19 +1,16 @@
-"""FSDP2 / HSDP for the MoE transformer: one ``fully_shard`` per block, then the root."""
+"""FSDP2 / HSDP and activation regions per block, for any model with ``layers`` of blocks.
+
+The meshes come from :mod:`hyperparallel.parallel.mesh`; which model is built is the train job's
+model spec (:mod:`hyperparallel.train.model_spec`).
+"""
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from hyperparallel.activation import checkpoint_wrapper, resolve
-
-
-def build_mesh(shape: tuple[int, ...], device_type: str) -> DeviceMesh:
-    """A 1-D ``("shard",)`` mesh for FSDP2 or a 2-D ``("replicate", "shard")`` one for HSDP
-    (for tests and benchmarks; the train job's named mesh is :mod:`hyperparallel.parallel`)."""
-    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -1,5 +1,5 @@
 """The job's device mesh and the parallelisms laid over it: expert (EP) and pipeline (PP)."""
 
-from hyperparallel.parallel.mesh import MESH_DIMS, ParallelDims, parse_mesh
+from hyperparallel.parallel.mesh import FLATTENED_DIMS, MESH_DIMS, MeshSet, ParallelDims, parse_mesh
 
-__all__ = ["MESH_DIMS", "ParallelDims", "parse_mesh"]
+__all__ = ["FLATTENED_DIMS", "MESH_DIMS", "MeshSet", "ParallelDims", "parse_mesh"]

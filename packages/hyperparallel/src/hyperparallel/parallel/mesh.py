@@ -1,18 +1,21 @@
 """The named device mesh of a training job: ``pp``, ``dp_replicate``, ``ep``, ``dp_shard``.
 
+This is the one module that knows the mesh: it parses and validates the sizes, splits the global
+batch over the data-parallel ranks, builds the ``DeviceMesh`` and looks sub-meshes up by name,
+for the train job, the models, the tests and the benchmarks alike (as torchtitan's ParallelDims).
+
 ``--mesh pp=2,dp_shard=2`` names each dimension's size; unnamed ones are 1 and the product must be
 the world size. ``fsdp`` (all ranks in ``dp_shard``) and ``RxS`` (HSDP: ``dp_replicate=R,
-dp_shard=S``) stay as aliases. As in torchtitan's ParallelDims, every rank outside ``pp`` is a data
-parallel rank: ``ep`` splits the experts, while the dense weights are sharded over ``ep x dp_shard``
-and the batch over ``dp_replicate x ep x dp_shard``. Parsing is pure Python (checked before ranks
-start); :meth:`ParallelDims.build` creates the ``DeviceMesh`` and the :class:`MeshSet` of
-sub-meshes each parallelism looks up by name. This is the one module that knows the mesh.
+dp_shard=S``) stay as aliases. Every rank outside ``pp`` is a data-parallel rank: ``ep`` splits
+the experts, while the dense weights are sharded over ``ep x dp_shard`` and the batch over
+``dp_replicate x ep x dp_shard``. Parsing is pure Python (checked before ranks start); only
+:meth:`ParallelDims.build` imports ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # parsing stays pure Python: torch.distributed is imported by build() alone
@@ -21,17 +24,31 @@ if TYPE_CHECKING:  # parsing stays pure Python: torch.distributed is imported by
 MESH_DIMS = ("pp", "dp_replicate", "ep", "dp_shard")
 """Mesh dimensions, outermost first (``dp_shard`` innermost: its collectives are the busiest)."""
 
+FLATTENED_DIMS = {"dp_shard_ep": ("ep", "dp_shard"), "dp": ("dp_replicate", "ep", "dp_shard")}
+"""Flattened dimensions :meth:`ParallelDims.build` adds: the dense weights' shard group and the
+data-parallel group (each a 1-D mesh over the named dimensions)."""
+
 _HSDP = re.compile(r"^(\d+)x(\d+)$")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the named mesh dimensions; their product is the world size."""
+    """Sizes of the named mesh dimensions; their product is the world size.
+
+    Raises:
+        ValueError: a size that is not a positive integer (naming the dimension).
+    """
 
     pp: int = 1
     dp_replicate: int = 1
     ep: int = 1
     dp_shard: int = 1
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            size = getattr(self, field.name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh dimension {field.name}={size!r}: give a positive integer")
 
     @property
     def world_size(self) -> int:
@@ -47,17 +64,47 @@ class ParallelDims:
         parts = [f"{d}={getattr(self, d)}" for d in MESH_DIMS if getattr(self, d) > 1]
         return ",".join(parts) or "dp_shard=1"
 
-    def build(self, device_type: str) -> MeshSet:
-        """Create the world's ``DeviceMesh`` and the sub-meshes each parallelism uses.
+    def local_batch_size(
+        self, batch_size: int, global_batch_size: int | None, microbatches: int
+    ) -> int:
+        """Samples per data-parallel rank per step; ``global_batch_size``, when set, is split
+        over the ``dp_replicate x ep x dp_shard`` data-parallel ranks.
 
-        Returns:
-            ``MeshSet`` with ``dense`` (FSDP/HSDP of the non-expert weights: shards over
-            ``ep x dp_shard``, replicas over ``dp_replicate``), ``experts`` (``[E, M, N]``
-            placement mesh under EP, else None), ``ep`` / ``pp`` (1-D, or None when of size 1),
-            and ``dp_rank`` (this rank's share of the global batch).
+        Raises:
+            ValueError: a global batch not divisible by the data-parallel ranks, or (under PP)
+                a local batch not divisible by ``microbatches``; the message names both.
         """
+        local = batch_size
+        if global_batch_size is not None:
+            if global_batch_size % self.dp_size:
+                raise ValueError(
+                    f"data.global_batch_size={global_batch_size} is not divisible by the "
+                    f"{self.dp_size} data-parallel ranks of --mesh {self.spec()}"
+                )
+            local = global_batch_size // self.dp_size
+        if self.pp > 1 and local % microbatches:
+            raise ValueError(
+                f"parallel.microbatches={microbatches} must divide the {local} samples per "
+                f"data-parallel rank under --mesh {self.spec()}"
+            )
+        return local
+
+    def build(self, device_type: str) -> MeshSet:
+        """Create the world's ``DeviceMesh`` (joining the default process group, which
+        ``init_device_mesh`` creates from the launch environment when there is none yet) and the
+        sub-meshes each parallelism uses.
+
+        Raises:
+            ValueError: the sizes' product is not the process group's world size.
+        """
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        if dist.is_initialized() and dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"--mesh {self.spec()}: {self.world_size} ranks != world size "
+                f"{dist.get_world_size()}"
+            )
         sizes = tuple(getattr(self, d) for d in MESH_DIMS)
         world = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
         return MeshSet.from_world(world, self)
@@ -65,13 +112,15 @@ class ParallelDims:
 
 @dataclass(frozen=True)
 class MeshSet:
-    """The meshes one rank needs.
+    """The meshes one rank needs: the ones the train job's parallelisms take as attributes, any
+    other by name (``meshes["ep", "dp_shard"]``, ``meshes["dp"]``).
 
     Attributes:
         dims: the layout.
         world: the 4-D ``(pp, dp_replicate, ep, dp_shard)`` mesh.
+        flattened: the 1-D meshes of :data:`FLATTENED_DIMS`, by name.
         dense: FSDP (1-D, shards over ``ep x dp_shard``) or HSDP (2-D, ``dp_replicate`` first)
-            mesh of the non-expert weights; under EP also of nothing else.
+            mesh of the non-expert weights.
         experts: under EP, the mesh the ``[E, M, N]`` experts are placed on (``dp_replicate`` if
             above 1, ``ep``, ``dp_shard`` if above 1); None without EP (FSDP shards them on E).
         ep: the 1-D expert-parallel mesh (token all-to-all), None without EP.
@@ -82,6 +131,7 @@ class MeshSet:
 
     dims: ParallelDims
     world: DeviceMesh
+    flattened: dict[str, DeviceMesh]
     dense: DeviceMesh
     experts: DeviceMesh | None
     ep: DeviceMesh | None
@@ -91,26 +141,47 @@ class MeshSet:
 
     @classmethod
     def from_world(cls, world: DeviceMesh, dims: ParallelDims) -> MeshSet:
-        """Slice and flatten ``world`` (named ``pp, dp_replicate, ep, dp_shard``)."""
-        shard = world["ep", "dp_shard"]._flatten("dp_shard_ep")
-        dense = world["dp_replicate", "dp_shard_ep"] if dims.dp_replicate > 1 else shard
+        """Flatten ``world`` (named :data:`MESH_DIMS`) into :data:`FLATTENED_DIMS` and slice the
+        meshes each parallelism takes (once, so every user shares the same mesh objects)."""
+        flat = {name: world[names]._flatten(name) for name, names in FLATTENED_DIMS.items()}
+        dense = (
+            world["dp_replicate", "dp_shard_ep"] if dims.dp_replicate > 1 else flat["dp_shard_ep"]
+        )
         experts = None
         if dims.ep > 1:
             names = [
                 d for d in ("dp_replicate", "ep", "dp_shard") if d == "ep" or getattr(dims, d) > 1
             ]
             experts = world[tuple(names)] if len(names) > 1 else world["ep"]
-        data = world["dp_replicate", "ep", "dp_shard"]._flatten("dp")
         return cls(
             dims=dims,
             world=world,
+            flattened=flat,
             dense=dense,
             experts=experts,
             ep=world["ep"] if dims.ep > 1 else None,
             pp=world["pp"] if dims.pp > 1 else None,
-            dp_rank=data.get_local_rank(),
+            dp_rank=flat["dp"].get_local_rank(),
             pp_rank=world["pp"].get_local_rank(),
         )
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh over ``names``: one name or several (in :data:`MESH_DIMS` order), or one
+        flattened name.
+
+        Raises:
+            KeyError: a name that is neither a mesh dimension nor a flattened one.
+        """
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        for name in wanted:
+            if name not in MESH_DIMS and name not in self.flattened:
+                known = ", ".join((*MESH_DIMS, *self.flattened))
+                raise KeyError(f"mesh dimension {name!r}: not one of {known}")
+        if len(wanted) > 1:
+            return self.world[wanted]
+        if wanted[0] in self.flattened:  # kept from _flatten: torch deprecates re-slicing them
+            return self.flattened[wanted[0]]
+        return self.world[wanted[0]]
 
 
 def parse_mesh(text: str, world_size: int) -> ParallelDims:

@@ -194,7 +194,7 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _fits_model(self) -> TrainConfig:
         # Found here, before ranks start, rather than as a ValueError in the first forward.
-        # A transformers model's shape is in its config.json: train.hf_model.check reads it.
+        # A transformers model's shape is in its config.json: its spec (train.hf_model) checks it.
         if self.hf.source is not None:
             return self
         if len(self.activation.per_block) > self.model.n_layers:

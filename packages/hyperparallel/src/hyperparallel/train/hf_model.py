@@ -1,10 +1,11 @@
 """The train job with a `transformers` causal LM: ``hyperparallel train --model PATH``.
 
 ``PATH`` is a local model folder (``config.json``, optionally weights and tokenizer files) or a
-``config.json`` file. :func:`resolve` reads and checks it once, before any rank starts (and
-again, cheaply, in every rank): the architecture must have a parallelize plan
-(:mod:`hyperparallel.models.families`), ``data.seq_len`` must fit ``max_position_embeddings``,
-the mesh must be one this job supports. :func:`build` then makes the same
+``config.json`` file. :class:`TransformersSpec` is its model spec: making one reads and checks it
+(:func:`resolve`: the architecture must have a parallelize plan in
+:mod:`hyperparallel.models.families`, ``data.seq_len`` must fit ``max_position_embeddings``),
+once before any rank starts and once in every rank; it then checks layouts, tokenizes the data
+and builds the model into the same
 :class:`~hyperparallel.train.parallel_model.ParallelModel` the built-in MoE gets, so the loop,
 metrics, plot and DCP checkpoints are shared.
 
@@ -23,18 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.data.tokens import encode, load_text
 from hyperparallel.models.families import FamilyPlan, UnknownArchitectureError, plan_for
-from hyperparallel.models.hf import build_causal_lm
-from hyperparallel.models.parallelize import apply_activation_memory, apply_fsdp
+from hyperparallel.models.hf import CausalLM, build_causal_lm
+from hyperparallel.optim.hybrid import Classifier
 from hyperparallel.parallel.expert import check_divisible
 from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel
-from hyperparallel.parallel.layout import check_layout
 from hyperparallel.parallel.mesh import MeshSet, ParallelDims
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.parallel_model import ParallelModel
+from hyperparallel.train.model_spec import Losses, ModelSpec
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """Files whose presence makes ``hf.load_weights`` default to True."""
@@ -192,57 +193,75 @@ def expert_count(config: Any) -> tuple[str, int] | None:
     return None
 
 
-def check_layout_hf(cfg: TrainConfig, dims: ParallelDims, model: HFModel) -> int:
-    """:func:`~hyperparallel.parallel.layout.check_layout` for a transformers model: pp is
-    refused, ep needs a MoE family whose expert count divides by ``ep x dp_shard`` (see the
-    module docstring); returns the local batch size."""
-    if dims.pp > 1:
-        raise ValueError(
-            f"--mesh {dims.spec()}: pp={dims.pp} is not supported with --model (a transformers "
-            "model trains on dp_replicate x ep x dp_shard: FSDP2, HSDP, and ep for MoE "
-            "families, e.g. --mesh fsdp, --mesh 2x2 or --mesh ep=2,dp_shard=2)"
-        )
-    if dims.ep > 1:
-        if model.plan.experts is None:
+class TransformersSpec(ModelSpec):
+    """The transformers causal LM that ``cfg.hf`` names, read and checked when the spec is made.
+
+    Attributes:
+        model: the checked ``--model`` (:func:`resolve`).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`resolve`.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__(cfg)
+        self.model = resolve(cfg)
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.n_layers
+
+    def check_model_layout(self, dims: ParallelDims) -> None:
+        """pp is refused; ep needs a MoE family whose expert count divides by ``ep x dp_shard``
+        (see the module docstring)."""
+        model = self.model
+        if dims.pp > 1:
             raise ValueError(
-                f"--mesh {dims.spec()}: ep={dims.ep} needs a MoE model, and {model.architecture} "
-                f"(family {model.plan.name!r}) has no routed experts; use dp_replicate x dp_shard"
+                f"--mesh {dims.spec()}: pp={dims.pp} is not supported with --model (a "
+                "transformers model trains on dp_replicate x ep x dp_shard: FSDP2, HSDP, and ep "
+                "for MoE families, e.g. --mesh fsdp, --mesh 2x2 or --mesh ep=2,dp_shard=2)"
             )
-        count = expert_count(model.config)
-        if count is not None:
-            field, n_experts = count
-            check_divisible(n_experts, dims.ep, dims.dp_shard, f"--model {field}")
-    return check_layout(cfg, dims)
+        if dims.ep > 1:
+            if model.plan.experts is None:
+                raise ValueError(
+                    f"--mesh {dims.spec()}: ep={dims.ep} needs a MoE model, and "
+                    f"{model.architecture} (family {model.plan.name!r}) has no routed experts; "
+                    "use dp_replicate x dp_shard"
+                )
+            count = expert_count(model.config)
+            if count is not None:
+                field, n_experts = count
+                check_divisible(n_experts, dims.ep, dims.dp_shard, f"--model {field}")
+
+    def batches(self) -> ByteBatches:
+        """Windows of the tokenized ``data.path`` (text, JSONL or folder; default the Python
+        stdlib), drawn per (seed, sample, step) like the built-in job's."""
+        data = self.cfg.data
+        text = load_text(data.path, data.max_bytes)
+        ids = encode(text, self.model.vocab_size, self.model.tokenizer)
+        return ByteBatches(ids, data.seq_len, data.val_fraction, self.cfg.seed)
+
+    def build_module(self, device: torch.device) -> nn.Module:
+        """The CausalLM: the folder's weights, or random weights from ``cfg.seed`` (identical on
+        every rank)."""
+        if self.model.load_weights:
+            net = build_causal_lm(self.model.folder, load_weights=True)
+        else:
+            net = build_causal_lm(self.model.config, seed=self.cfg.seed)
+        return net.to(device).train()
+
+    def place_experts(self, module: nn.Module, meshes: MeshSet) -> list[nn.Parameter]:
+        return apply_hf_expert_parallel(_causal_lm(module).model, self.model.plan, meshes)
+
+    def losses(self, module: nn.Module) -> Losses:
+        """The CausalLM itself: ``(tokens, targets) -> (loss, the family's balance loss)``."""
+        return _causal_lm(module)
+
+    def classify(self, module: nn.Module) -> Classifier:
+        """The family's routing: expert stacks are Muon's, sharded or not."""
+        return _causal_lm(module).classify
 
 
-def batches(cfg: TrainConfig, model: HFModel) -> ByteBatches:
-    """Windows of the tokenized ``data.path`` (text, JSONL or folder; default the Python
-    stdlib), drawn per (seed, sample, step) like the built-in job's, so ``--resume`` is exact."""
-    text = load_text(cfg.data.path, cfg.data.max_bytes)
-    ids = encode(text, model.vocab_size, model.tokenizer)
-    return ByteBatches(ids, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
-
-
-def build(cfg: TrainConfig, model: HFModel, meshes: MeshSet, device: torch.device) -> ParallelModel:
-    """The CausalLM (random weights from ``cfg.seed``, identical on every rank, or the folder's
-    weights), each decoder block an activation region with its policy, under ep the routed
-    experts placed on ``meshes.experts`` (left out of FSDP), then FSDP2 / HSDP per block and at
-    the root over ``meshes.dense``. The optimizer routes with ``net.classify``: expert stacks
-    are Muon's, sharded or not."""
-    if model.load_weights:
-        net = build_causal_lm(model.folder, load_weights=True)
-    else:
-        net = build_causal_lm(model.config, seed=cfg.seed)
-    net = net.to(device).train()
-    act = cfg.activation
-    policies = [*act.per_block, *[act.policy] * model.n_layers][: model.n_layers]
-    apply_activation_memory(
-        net, policies, swap_inputs=act.swap_inputs, swap_threshold_bytes=act.swap_threshold_bytes
-    )
-    experts: list[torch.nn.Parameter] = []
-    if meshes.ep is not None:
-        experts = apply_hf_expert_parallel(net.model, model.plan, meshes)
-    apply_fsdp(net, meshes.dense, set(experts) or None)
-    return ParallelModel(
-        net, meshes, net, None, cfg.optim.balance_weight, losses=net, classify=net.classify
-    )
+def _causal_lm(module: nn.Module) -> CausalLM:
+    assert isinstance(module, CausalLM), type(module)
+    return module

@@ -13,13 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hyperparallel import env
-from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
-from hyperparallel.parallel.layout import check_layout
 from hyperparallel.parallel.mesh import parse_mesh
-from hyperparallel.train import hf_model
 from hyperparallel.train.checkpoint import has_checkpoints
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.outdir import prepare_out_dir
+from hyperparallel.train.registry import model_spec
 from hyperparallel.train.trainer import TrainResult
 from npu_core.dist import is_torchrun, run
 
@@ -32,22 +30,14 @@ def check(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     Raises:
         ValueError, FileNotFoundError: one line naming the setting and what is allowed.
     """
-    hf = hf_model.resolve(cfg) if cfg.hf.source is not None else None
+    spec = model_spec(cfg)
     if not is_torchrun():  # under torchrun the world size is known only to the ranks
-        dims = parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc)
-        if hf is not None:
-            hf_model.check_layout_hf(cfg, dims, hf)
-        else:
-            check_layout(cfg, dims)
+        spec.check_layout(parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc))
     # The corpus is read (and tokenized) once here: a missing, empty, binary or too-small source
     # is refused before ranks start instead of in every rank after start-up.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        if hf is not None:
-            hf_model.batches(cfg, hf)
-        else:
-            corpus = read_corpus(cfg.data.path, cfg.data.max_bytes)
-            ByteBatches(corpus, cfg.data.seq_len, cfg.data.val_fraction)
+        spec.batches()
     out = Path(cfg.out_dir)
     if resume and not overwrite and not has_checkpoints(out / "checkpoints"):
         raise ValueError(

@@ -1,71 +1,75 @@
-"""The train job's model on its mesh: FSDP2/HSDP, expert parallelism and pipeline stages.
+"""The built-in MoE transformer as a model spec: FSDP2/HSDP, expert parallelism, pipeline stages.
 
-The built-in MoE is built here; a transformers model (``hf.source``) in
-:mod:`hyperparallel.train.hf_model`; both into the same
-:class:`~hyperparallel.train.parallel_model.ParallelModel`.
+The only model of the job that pipelines: :meth:`MoESpec.parallelize` cuts it into stages under
+``pp`` and shards each stage. Its shape checks against the data and the activation settings are
+the configuration's own (:class:`~hyperparallel.train.config.TrainConfig`), made when it loads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
+from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
 from hyperparallel.models.moe import MoETransformer
-from hyperparallel.models.parallelize import apply_activation_memory, apply_fsdp
-from hyperparallel.parallel.expert import apply_expert_parallel
-from hyperparallel.parallel.mesh import MeshSet
+from hyperparallel.parallel.expert import apply_expert_parallel, check_divisible
+from hyperparallel.parallel.mesh import MeshSet, ParallelDims
 from hyperparallel.parallel.pipeline import build_pipeline, lm_loss
-from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.model_spec import Losses, ModelSpec
 from hyperparallel.train.parallel_model import ParallelModel
 
 
-def _moe_losses(model: MoETransformer) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    def losses(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        logits, balance = model(inputs)
-        return lm_loss(logits, targets), balance
+class MoESpec(ModelSpec):
+    """The built-in MoE of ``cfg.model``, trained on the bytes of ``data.path``."""
 
-    return losses
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.model.n_layers
 
+    def check_model_layout(self, dims: ParallelDims) -> None:
+        """Whole experts per rank under ep (every layout, pipelines included, is supported)."""
+        if dims.ep > 1:
+            check_divisible(self.cfg.model.n_experts, dims.ep, dims.dp_shard, "model.n_experts")
 
-def build_model(cfg: TrainConfig, meshes: MeshSet, device: torch.device) -> ParallelModel:
-    """Build the whole model from ``cfg.seed`` (every layout starts from the same weights), apply
-    the block activation policies, then cut it into pipeline stages (pp > 1), place the experts
-    (ep > 1) and shard the rest with FSDP2 / HSDP over ``meshes.dense``.
+    def batches(self) -> ByteBatches:
+        data = self.cfg.data
+        corpus = read_corpus(data.path, data.max_bytes)
+        return ByteBatches(corpus, data.seq_len, data.val_fraction, self.cfg.seed)
 
-    With ``cfg.hf.source`` the transformers model is built instead
-    (:func:`hyperparallel.train.hf_model.build`)."""
-    if cfg.hf.source is not None:
-        from hyperparallel.train import hf_model
+    def build_module(self, device: torch.device) -> nn.Module:
+        """The whole model from ``cfg.seed``, so every layout starts from the same weights."""
+        torch.manual_seed(self.cfg.seed)
+        return MoETransformer(self.cfg.model).to(device)
 
-        return hf_model.build(cfg, hf_model.resolve(cfg), meshes, device)
-    torch.manual_seed(cfg.seed)
-    model = MoETransformer(cfg.model).to(device)
-    act = cfg.activation
-    policies = [*act.per_block, *[act.policy] * cfg.model.n_layers][: cfg.model.n_layers]
-    apply_activation_memory(
-        model, policies, swap_inputs=act.swap_inputs, swap_threshold_bytes=act.swap_threshold_bytes
-    )
+    def place_experts(self, module: nn.Module, meshes: MeshSet) -> list[nn.Parameter]:
+        return apply_expert_parallel(module, meshes)
 
-    def shard(module: nn.Module) -> None:
-        experts = apply_expert_parallel(module, meshes) if meshes.ep is not None else []
-        apply_fsdp(module, meshes.dense, set(experts) or None)
+    def losses(self, module: nn.Module) -> Losses:
+        def losses(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+            logits, balance = module(inputs)
+            return lm_loss(logits, targets), balance
 
-    weight = cfg.optim.balance_weight
-    if meshes.pp is None:
-        shard(model)
-        return ParallelModel(model, meshes, model, None, weight, losses=_moe_losses(model))
-    par = cfg.parallel
-    pipeline = build_pipeline(
-        model,
-        schedule=par.pp_schedule,
-        microbatches=par.microbatches,
-        virtual_stages=par.virtual_stages,
-        pp_mesh=meshes.pp,
-        device=device,
-        balance_weight=weight,
-        shard=shard,
-        early_recompute=par.pp_early_recompute,
-    )
-    return ParallelModel(pipeline.view, meshes, None, pipeline, weight)
+        return losses
+
+    def parallelize(
+        self, module: nn.Module, meshes: MeshSet, device: torch.device
+    ) -> ParallelModel:
+        """Without pp, shard the whole model; with pp, keep this rank's stages (contiguous
+        blocks) and shard each, under the configured schedule."""
+        if meshes.pp is None:
+            return super().parallelize(module, meshes, device)
+        assert isinstance(module, MoETransformer)
+        par = self.cfg.parallel
+        weight = self.cfg.optim.balance_weight
+        pipeline = build_pipeline(
+            module,
+            schedule=par.pp_schedule,
+            microbatches=par.microbatches,
+            virtual_stages=par.virtual_stages,
+            pp_mesh=meshes.pp,
+            device=device,
+            balance_weight=weight,
+            shard=lambda stage: self.shard(stage, meshes),
+            early_recompute=par.pp_early_recompute,
+        )
+        return ParallelModel(pipeline.view, meshes, None, pipeline, weight)

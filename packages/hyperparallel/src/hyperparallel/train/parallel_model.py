@@ -3,8 +3,7 @@
 :meth:`ParallelModel.forward_backward` and :meth:`ParallelModel.evaluate` return this rank's mean
 loss (None on pipeline ranks without the last stage), and :attr:`ParallelModel.owner` has the full
 model's parameter names, for the optimizer and for DCP checkpoints (which therefore reshard
-between layouts). The built-in MoE (:mod:`hyperparallel.train.model`) and transformers models
-(:mod:`hyperparallel.train.hf_model`) are both built into it.
+between layouts). Every model spec (:mod:`hyperparallel.train.model_spec`) builds into it.
 """
 
 from __future__ import annotations

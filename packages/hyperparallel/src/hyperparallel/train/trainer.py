@@ -20,16 +20,15 @@ import torch.distributed as dist
 import mccl
 from hyperparallel import env
 from hyperparallel.activation import ActivationTracker, SwapSchedule
-from hyperparallel.data.stdlib_bytes import ByteBatches, read_corpus
+from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.optim import get_hyper_optimizer
-from hyperparallel.parallel.layout import check_layout
 from hyperparallel.parallel.mesh import parse_mesh
-from hyperparallel.train import checkpoint, hf_model
+from hyperparallel.train import checkpoint
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.metrics import MetricsLog
-from hyperparallel.train.model import build_model
 from hyperparallel.train.parallel_model import ParallelModel
 from hyperparallel.train.profiling import StepProfiler
+from hyperparallel.train.registry import model_spec
 from npu_core.device import comm_backend, detect_backend, device_for_rank, device_module
 
 StepCallback = Callable[[dict[str, float]], None]
@@ -91,19 +90,15 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         # NCCL / HCCL bind a rank's communicators (barrier, object collectives of DCP and of
         # --resume) to the current device; without this every local rank would use device 0.
         module.set_device(device)
-    hf = hf_model.resolve(cfg) if cfg.hf.source is not None else None
+    spec = model_spec(cfg)
     with warnings.catch_warnings():  # skipped binary files: the CLI reported them once
         warnings.simplefilter("ignore", RuntimeWarning)
-        if hf is not None:
-            data = hf_model.batches(cfg, hf)
-        else:
-            corpus = read_corpus(cfg.data.path, cfg.data.max_bytes)
-            data = ByteBatches(corpus, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+        data = spec.batches()
     world = dist.get_world_size()  # waits for mccl here
     dims = parse_mesh(cfg.parallel.mesh, world)
-    batch = hf_model.check_layout_hf(cfg, dims, hf) if hf is not None else check_layout(cfg, dims)
+    batch = spec.check_layout(dims)
     meshes = dims.build(device.type)
-    net = build_model(cfg, meshes, device)
+    net = spec.build(meshes, device)
     optimizer = get_hyper_optimizer(
         net.owner,
         muon={

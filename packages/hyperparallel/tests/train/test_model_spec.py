@@ -1,0 +1,146 @@
+"""The train job's model specs: one is chosen per configuration, each checks layouts against its
+own model, and a transformers model's config.json is read once per process however many checks
+and builds follow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from hyperparallel.parallel.mesh import ParallelDims, parse_mesh
+from hyperparallel.train import job
+from hyperparallel.train.config import load_config
+from hyperparallel.train.hf_model import TransformersSpec
+from hyperparallel.train.model import MoESpec
+from hyperparallel.train.presets import debug
+from hyperparallel.train.registry import model_spec
+from packages.hyperparallel.tests.tiny_hf import QWEN3_MOE, TINY_HF_SHAPE
+
+
+@pytest.fixture
+def tiny_moe(tmp_path: Path) -> Path:
+    """A Qwen3-MoE config.json (4 experts, 2 blocks), no weights and no tokenizer."""
+    transformers.Qwen3MoeConfig(**TINY_HF_SHAPE, **QWEN3_MOE).save_pretrained(tmp_path)
+    return tmp_path / "config.json"
+
+
+@pytest.fixture
+def config_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every folder ``transformers.AutoConfig.from_pretrained`` is asked to read."""
+    reads: list[Path] = []
+    original = transformers.AutoConfig.from_pretrained
+
+    def counted(folder, *args, **kwargs):
+        reads.append(Path(folder))
+        return original(folder, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counted)
+    return reads
+
+
+def test_the_spec_follows_the_configured_model(tiny_moe: Path):
+    """No ``hf.source``: the built-in MoE; with one: the transformers model it names."""
+    moe = model_spec(debug())
+    assert isinstance(moe, MoESpec) and moe.n_layers == debug().model.n_layers
+    cfg = load_config(debug(), overrides=[f"hf.source={str(tiny_moe)!r}"])
+    hf = model_spec(cfg)
+    assert isinstance(hf, TransformersSpec)
+    assert (hf.n_layers, hf.model.architecture) == (2, "Qwen3MoeForCausalLM")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mesh", "message"),
+    [
+        (["data.global_batch_size=6"], "ep=4", "global_batch_size=6 is not divisible by the 4"),
+        (["parallel.microbatches=3"], "pp=2,dp_shard=2", "microbatches=3 must divide the 4"),
+        (["model.n_experts=6"], "ep=2,dp_shard=2", "n_experts=6 must be divisible by ep x"),
+        ([], "pp=2,dp_shard=2", "model.n_layers=1 is fewer than the 2 pipeline stages"),
+        (
+            ["model.n_layers=4", "parallel.pp_schedule='dualpipev'", "parallel.microbatches=2"],
+            "pp=2,dp_shard=2",
+            "microbatches=2 is below the 4 stages",
+        ),
+        (
+            ["parallel.pp_early_recompute=true", "parallel.pp_schedule='interleaved_1f1b'"],
+            "pp=2,dp_shard=2",
+            "pp_early_recompute needs a pp dimension and --pp-schedule 1f1b or dualpipev",
+        ),
+        (
+            ["parallel.pp_early_recompute=true", "model.n_layers=2"],
+            "pp=2,dp_shard=2",
+            "pp_early_recompute has nothing to replay with --activation none",
+        ),
+    ],
+)
+def test_moe_layout_conflicts_are_named(overrides, mesh, message):
+    """Settings that do not fit the mesh are refused before ranks start, naming both."""
+    spec = model_spec(load_config(debug(), overrides=overrides))
+    with pytest.raises(ValueError, match=message):
+        spec.check_layout(parse_mesh(mesh, 4))
+
+
+def test_moe_layout_returns_the_local_batch():
+    """A layout that fits gives the samples each data-parallel rank takes per step."""
+    spec = model_spec(
+        load_config(debug(), overrides=["data.global_batch_size=16", "model.n_layers=2"])
+    )
+    assert spec.check_layout(ParallelDims(ep=2, dp_shard=2)) == 4
+    assert spec.check_layout(ParallelDims(pp=2, dp_shard=2)) == 8
+
+
+@pytest.mark.parametrize(
+    ("mesh", "world", "message"),
+    [
+        ("pp=2,dp_shard=2", 4, "pp=2 is not supported with --model"),
+        (
+            "ep=2,dp_shard=4",
+            8,
+            "--model num_local_experts=4 must be divisible by ep x dp_shard = 2 x 4",
+        ),
+    ],
+)
+def test_transformers_layout_conflicts_are_named(tiny_moe: Path, mesh, world, message):
+    """The transformers spec refuses pipelines and checks its own expert count, not
+    ``model.n_experts`` (the built-in MoE's, which would pass here)."""
+    overrides = [f"hf.source={str(tiny_moe)!r}", "model.n_experts=8"]
+    spec = model_spec(load_config(debug(), overrides=overrides))
+    with pytest.raises(ValueError, match=message):
+        spec.check_layout(parse_mesh(mesh, world))
+    assert spec.check_layout(parse_mesh("ep=2,dp_shard=2", 4)) == debug().data.batch_size
+
+
+def test_job_check_reads_the_model_config_once(tiny_moe: Path, config_reads: list[Path]):
+    """Before ranks start, the model, the layout and the data are checked with one read of
+    config.json (the spec holds what it read)."""
+    cfg = load_config(
+        debug(),
+        overrides=[f"hf.source={str(tiny_moe)!r}", "parallel.nproc=2", "parallel.mesh='ep=2'"],
+    )
+    job.check(cfg)
+    assert config_reads == [tiny_moe.parent]
+
+
+def test_a_rank_builds_from_the_config_it_read_once(
+    tiny_moe: Path, config_reads: list[Path], tmp_path: Path
+):
+    """One rank's whole start (spec, data, layout check, model built and sharded on a one-rank
+    mesh) reads config.json once, and the model it trains is the one that config describes."""
+    cfg = load_config(debug(), overrides=[f"hf.source={str(tiny_moe)!r}"])
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        spec = model_spec(cfg)
+        spec.batches()
+        dims = parse_mesh("fsdp", 1)
+        spec.check_layout(dims)
+        net = spec.build(dims.build("cpu"), torch.device("cpu"))
+        blocks = [name for name, _ in net.owner.named_parameters() if ".layers." in name]
+    finally:
+        dist.destroy_process_group()
+    assert config_reads == [tiny_moe.parent]
+    layers = {name.split(".layers.")[1].split(".")[0] for name in blocks}
+    assert layers == {"0", "1"}
