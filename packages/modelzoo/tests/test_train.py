@@ -40,7 +40,7 @@ from torchmind_modelzoo.training import (
 )
 
 STEPS = 20
-SMALL = {"max_bytes": 200_000, "seq_len": 32, "batch_size": 4}
+SMALL = {"max_bytes": 200_000, "seq_len": 32, "batch_size": 4}  # the job's data section
 
 
 def _train_all(cfgs: list) -> list[list[float]]:
@@ -83,7 +83,8 @@ def test_every_full_llm_card_trains_tiny_for_20_steps_on_2_ranks(tmp_path: Path)
     run_of: dict[str, int] = {}  # card id -> index of the run that trains its tiny config
     cfgs, keys = [], []
     for card in cards:
-        options = TrainOptions(tiny=True, steps=STEPS, out_dir=tmp_path / card.id, **SMALL)
+        job = {"steps": STEPS, "out_dir": str(tmp_path / card.id), "data": SMALL}
+        options = TrainOptions(tiny=True, job=job)
         model = write_tiny_config(card, tmp_path / card.id / "model")
         cfg = train_config(card, options, model)
         key = (model.read_text(), _without_paths(cfg))
@@ -96,7 +97,9 @@ def test_every_full_llm_card_trains_tiny_for_20_steps_on_2_ranks(tmp_path: Path)
     torch.manual_seed(5)
     config = transformers.AutoConfig.from_pretrained(write_tiny_config(card, saved).parent)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(saved)
-    options = TrainOptions(path=saved, steps=2, out_dir=tmp_path / "from-path", **SMALL)
+    options = TrainOptions(
+        path=saved, job={"steps": 2, "out_dir": str(tmp_path / "from-path"), "data": SMALL}
+    )
     cfgs.append(train_config(card, options, saved))
     assert cfgs[-1].hf.load_weights
 
@@ -111,10 +114,12 @@ def test_every_full_llm_card_trains_tiny_for_20_steps_on_2_ranks(tmp_path: Path)
 
 @pytest.mark.distributed
 def test_train_command_end_to_end(tmp_path: Path):
+    """The command end to end, given a setting of the train job's own data section."""
     out = tmp_path / "run"
     args = ["train", "qwen3-30b-a3b-instruct-2507", "--tiny", "--steps", "4", "--out-dir"]
-    small = ["--set", "max_bytes=200000", "--set", "seq_len=32"]
-    result = CliRunner().invoke(app, [*args, str(out), *small])
+    small = ["--set", "data.max_bytes=200000", "--set", "data.seq_len=32"]
+    sections = ["--set", "data.global_batch_size=8"]
+    result = CliRunner().invoke(app, [*args, str(out), *small, *sections])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[result.stdout.index("{") :])
     assert summary["card"] == "qwen3-30b-a3b-instruct-2507" and summary["steps"] == [0, 4]
@@ -123,6 +128,7 @@ def test_train_command_end_to_end(tmp_path: Path):
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_hidden_layers"] == 2
     metrics = json.loads((out / "metrics.json").read_text())
     assert [r["loss"] for r in metrics["train"]] == summary["losses"]
+    assert metrics["config"]["data"]["global_batch_size"] == 8
     assert (out / "loss.png").exists() and (out / "checkpoints" / "latest").exists()
 
 
@@ -132,6 +138,41 @@ def test_only_full_llm_cards_train():
     listed = next(c for c in registry.list("llm", "listed"))
     with pytest.raises(InputError, match=f"{listed.id} is a listed card"):
         check_trainable(listed)
+
+
+JOB_ITEMS = [
+    "data.global_batch_size=8",
+    "optim.muon_lr=0.01",
+    "activation.policy='recompute'",
+    "parallel.timeout_s=30.0",
+]
+
+
+def test_cli_takes_the_train_jobs_sections_as_hyperparallel_does(monkeypatch, tmp_path: Path):
+    """--config and --set reach TrainConfig's sections unchanged (hyperparallel's own parse of
+    the same items is the reference), shortcut options win over them, and the card run's
+    defaults fill the rest. No rank starts: the run itself is replaced."""
+    from hyperparallel.train.config import TrainConfig
+
+    given: dict = {}
+    monkeypatch.setattr(
+        "torchmind_modelzoo.training.train", lambda card, options, **kw: given.update(o=options)
+    )
+    toml = tmp_path / "run.toml"
+    toml.write_text("[optim]\nadamw_lr = 0.001\n[data]\nseq_len = 48\n")
+    items = [arg for item in JOB_ITEMS for arg in ("--set", item)]
+    argv = ["train", "qwen3-0.6b", "--tiny", "--config", str(toml), *items, "--seq-len", "32"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    cfg = train_config(registry.get("qwen3-0.6b"), given["o"], tmp_path / "config.json")
+    reference = TrainConfig.load(None, toml, [*JOB_ITEMS, "data.seq_len=32"])
+    assert cfg.activation == reference.activation
+    assert cfg.optim.model_dump(exclude={"warmup_steps"}) == reference.optim.model_dump(
+        exclude={"warmup_steps"}
+    )
+    assert cfg.data.global_batch_size == 8 and cfg.data.seq_len == 32  # --seq-len over TOML
+    assert cfg.parallel.timeout_s == 30.0 and cfg.parallel.nproc == 2  # --set, card default
+    assert cfg.optim.warmup_steps == 2 and cfg.steps == cfg.eval_every == 20
 
 
 @pytest.mark.parametrize(
@@ -147,6 +188,17 @@ def test_only_full_llm_cards_train():
             "data.seq_len=256 exceeds max_position_embeddings=128",
         ),
         (["qwen3-0.6b", "--tiny", "--data", "{tmp}/none.txt"], "no such file or folder"),
+        (
+            ["qwen3-0.6b", "--tiny", "--set", "data.global_batchsize=8"],
+            "data.global_batchsize=8: hyperparallel's section data has no such setting; choose "
+            "one of path, max_bytes, seq_len, batch_size, global_batch_size, val_fraction",
+        ),
+        (
+            ["qwen3-0.6b", "--tiny", "--set", "data.global_batch_size=0"],
+            "data.global_batch_size: Input should be greater than or equal to 1 (got 0)",
+        ),
+        (["qwen3-0.6b", "--tiny", "--set", "hf.source=x"], "leave hf.source and hf.load_weights"),
+        (["qwen3-0.6b", "--tiny", "--set", "steps"], "expected key=value or section.key=value"),
     ],
 )
 def test_bad_input_is_refused_in_one_line_before_ranks(

@@ -10,7 +10,7 @@ refused before any work started (one line on stderr naming the argument; nothing
 import enum
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -19,9 +19,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from npu_core.cli import HelpGroup, config_options, fail, run_app
+from npu_core.config import ConfigError, layer_tree, set_dotted
 from torchmind_modelzoo import registry
 from torchmind_modelzoo.checks import InputError, check_card_file, check_source
-from torchmind_modelzoo.options import ConvertOptions, RunOptions, TrainOptions
+from torchmind_modelzoo.options import (
+    JOB_DEFAULTS,
+    JOB_FLAGS,
+    ConvertOptions,
+    RunOptions,
+    TrainOptions,
+)
 from torchmind_modelzoo.schema import Category, ModelCard, Status
 from torchmind_modelzoo.table import render_markdown, update_readme
 from torchmind_modelzoo.validate import CardError
@@ -35,6 +42,7 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
+_TRAIN_FIELDS = TrainOptions.model_fields
 
 
 class Format(enum.StrEnum):
@@ -187,11 +195,73 @@ def run(
     print(json.dumps(result, indent=2, default=str))
 
 
+def _job_option(key: str, help: str, default: object = None) -> Any:
+    """A shortcut option for the TrainConfig key ``key``; given, it wins over --config and --set.
+    ``default``: what the help shows when the card run's defaults (JOB_DEFAULTS) lack the key."""
+    node: Any = JOB_DEFAULTS
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    shown = default if node is None else node
+    return typer.Option(
+        help=f"{help} Sets {key}. (default: {shown})", rich_help_panel="Train job shortcuts"
+    )
+
+
 @app.command()
-@config_options(TrainOptions, flags={"out_dir": "--out-dir"})
 def train(
     name: Annotated[str, typer.Argument(help="Card id of a full LLM card.")],
-    config: TrainOptions,
+    tiny: Annotated[bool, typer.Option(help=_TRAIN_FIELDS["tiny"].description)] = False,
+    path: Annotated[Path | None, typer.Option(help=_TRAIN_FIELDS["path"].description)] = None,
+    nproc: Annotated[
+        int | None, _job_option("parallel.nproc", "Local ranks (ignored under torchrun).")
+    ] = None,
+    mesh: Annotated[
+        str | None,
+        _job_option(
+            "parallel.mesh",
+            "Mesh over the ranks: 'fsdp' (all ranks shard), 'RxS' (HSDP: R replicas of S "
+            "shards) or 'ep=2,dp_shard=1' (expert parallelism, MoE cards); pp is not supported.",
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None, _job_option("steps", "Optimizer steps (a resumed run included).")
+    ] = None,
+    data: Annotated[
+        Path | None,
+        _job_option("data.path", "Text or JSONL file, or a folder of text.", "Python's stdlib"),
+    ] = None,
+    max_bytes: Annotated[
+        int | None, _job_option("data.max_bytes", "Bytes of text read from --data.")
+    ] = None,
+    seq_len: Annotated[int | None, _job_option("data.seq_len", "Tokens per sample.")] = None,
+    batch_size: Annotated[
+        int | None, _job_option("data.batch_size", "Samples per data-parallel rank per step.")
+    ] = None,
+    seed: Annotated[
+        int | None, _job_option("seed", "Seed of the random weights and of the data order.", 0)
+    ] = None,
+    out_dir: Annotated[
+        Path | None,
+        _job_option(
+            "out_dir",
+            "Run folder: model/config.json (--tiny), metrics.json, loss.png, checkpoints.",
+            "runs/train/<card>",
+        ),
+    ] = None,
+    config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="TOML file whose tables are TrainConfig's sections (data, optim, ...)."
+        ),
+    ] = None,
+    set_items: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Any TrainConfig setting, repeatable, as `hyperparallel train --set` takes it: "
+            "--set data.global_batch_size=8, --set optim.muon_lr=0.01.",
+        ),
+    ] = None,
     resume: Annotated[
         bool, typer.Option(help="Continue from the last complete checkpoint in --out-dir.")
     ] = False,
@@ -203,12 +273,28 @@ def train(
     weights, offline: OUT/model/config.json is written and trained) or `modelzoo train qwen3-8b
     --path ./Qwen3-8B --data corpus.jsonl` (the folder's weights and tokenizer). Writes
     metrics.json, loss.png and DCP checkpoints into --out-dir (default runs/train/<card>).
-    Needs the `train` extra (hyperparallel).
+
+    The run is configured exactly as `hyperparallel train` configures it: --config and --set
+    address its TrainConfig sections (data, optim, parallel, activation, ...), e.g. `--set
+    data.global_batch_size=8`; `hyperparallel train --help` lists every setting. The shortcut
+    options below set one key each. Needs the `train` extra (hyperparallel).
     """
     from torchmind_modelzoo.build import LibraryMissingError
     from torchmind_modelzoo.training import train as run_training
 
     card = _card(name)
+    shortcuts = {
+        "nproc": nproc, "mesh": mesh, "steps": steps, "data": data, "max_bytes": max_bytes,
+        "seq_len": seq_len, "batch_size": batch_size, "seed": seed, "out_dir": out_dir,
+    }  # fmt: skip
+    try:
+        job = layer_tree(None, config_file, set_items)
+        for option, value in shortcuts.items():
+            if value is not None:
+                set_dotted(job, JOB_FLAGS[option], str(value) if isinstance(value, Path) else value)
+        config = TrainOptions(tiny=tiny, path=path, job=job)
+    except ConfigError as exc:
+        fail(str(exc))
     try:
         result = run_training(card, config, resume=resume, overwrite=overwrite)
     except (LibraryMissingError, InputError) as exc:

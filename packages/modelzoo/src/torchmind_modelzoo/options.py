@@ -1,14 +1,16 @@
-"""Settings of ``modelzoo convert``, ``run`` and ``train``: the fields are the command-line options.
+"""Settings of ``modelzoo convert``, ``run`` and ``train``.
 
-Both commands get their options generated from these models (``npu_core.cli.config_options``),
+convert and run get their options generated from these models (``npu_core.cli.config_options``),
 so ``--config FILE.toml`` and ``--set field=value`` reach every field and a bad value is refused
-in one line with exit status 2 before any model is built.
+in one line with exit status 2 before any model is built. train's ``--config`` and ``--set``
+address hyperparallel's ``TrainConfig`` instead, section for section as ``hyperparallel train``
+takes them; :class:`TrainOptions` carries them to the run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -61,7 +63,13 @@ class RunOptions(SourceOptions):
 
 
 class TrainOptions(StrictConfig):
-    """``modelzoo train``: a full LLM card trained with hyperparallel (FSDP2/HSDP, Muon)."""
+    """``modelzoo train``: which weights train, and the run in the train job's own terms.
+
+    The run itself is configured by hyperparallel's ``TrainConfig``, whose sections (``data``,
+    ``optim``, ``parallel``, ``activation``, ...) ``job`` holds unchanged; it is validated by
+    ``TrainConfig`` when the run starts (:func:`torchmind_modelzoo.training.train_config`), so
+    modelzoo keeps no second copy of that schema.
+    """
 
     tiny: bool = Field(
         False, description="Train the card's tiny shape from random weights (offline)."
@@ -71,23 +79,32 @@ class TrainOptions(StrictConfig):
         description="Local model folder (a copy of the hub repo): its weights are loaded and "
         "its tokenizer used; not with --tiny.",
     )
-    nproc: int = Field(2, ge=1, description="Local ranks to spawn (ignored under torchrun).")
-    mesh: str = Field(
-        "fsdp",
-        description="hyperparallel mesh over the ranks: 'fsdp' (all ranks shard), 'RxS' "
-        "(HSDP: R replicas of S shards) or 'ep=2,dp_shard=1' (expert parallelism, MoE cards); "
-        "pp is not supported for these models.",
+    job: dict[str, Any] = Field(
+        default_factory=dict,
+        description="hyperparallel TrainConfig values, nested by section as there (e.g. "
+        "{'data': {'global_batch_size': 8}}), over the card run's defaults (JOB_DEFAULTS).",
     )
-    steps: int = Field(20, ge=1, description="Optimizer steps (a resumed run included).")
-    data: Path | None = Field(
-        None, description="Text or JSONL file, or a folder of text; default: Python's stdlib."
-    )
-    max_bytes: int = Field(1_000_000, ge=8192, description="Bytes of text read from --data.")
-    seq_len: int = Field(64, ge=8, description="Tokens per sample.")
-    batch_size: int = Field(4, ge=1, description="Samples per data-parallel rank per step.")
-    seed: int = Field(0, description="Seed of the random weights and of the data order.")
-    out_dir: Path | None = Field(
-        None,
-        description="Run folder: model/config.json (--tiny), metrics.json, loss.png, "
-        "checkpoints; default runs/train/<card>.",
-    )
+
+
+JOB_DEFAULTS: dict[str, Any] = {
+    "parallel": {"nproc": 2, "mesh": "fsdp"},
+    "steps": 20,
+    "data": {"max_bytes": 1_000_000, "seq_len": 64, "batch_size": 4},
+    "eval_batches": 2,
+}
+"""What a card run changes in hyperparallel's defaults: a short run on 2 ranks with a small
+corpus. Evaluation and the checkpoint come at the last step and warm-up is a tenth of the steps
+unless given (:func:`torchmind_modelzoo.training.train_config`)."""
+
+JOB_FLAGS: dict[str, str] = {
+    "nproc": "parallel.nproc",
+    "mesh": "parallel.mesh",
+    "steps": "steps",
+    "data": "data.path",
+    "max_bytes": "data.max_bytes",
+    "seq_len": "data.seq_len",
+    "batch_size": "data.batch_size",
+    "seed": "seed",
+    "out_dir": "out_dir",
+}
+"""``modelzoo train``'s shortcut options (``--seq-len``) and the TrainConfig key each one sets."""

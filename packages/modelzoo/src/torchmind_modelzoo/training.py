@@ -3,22 +3,28 @@
 The card names a transformers ``*ForCausalLM`` class; with ``--tiny`` its config class, given
 the card's tiny overrides, is written as ``OUT/model/config.json`` and hyperparallel builds
 random weights from it; with ``--path`` the local folder's weights (and tokenizer) are used.
-The training itself is :func:`hyperparallel.train.job.run_job`, called in this process (it
-spawns the ranks), not a ``hyperparallel`` subprocess. hyperparallel is the optional extra
+The run is configured in hyperparallel's own ``TrainConfig`` sections (:func:`job_tree`), so
+``--set data.global_batch_size=8`` means what it means to ``hyperparallel train``. The training
+itself is hyperparallel's ``train.job`` (prepare, then start), called in this process (it spawns
+the ranks), not a ``hyperparallel`` subprocess. hyperparallel is the optional extra
 ``modelzoo[train]``; it never imports modelzoo.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from npu_core.config import ConfigError, merge, set_dotted
 from torchmind_modelzoo import registry
 from torchmind_modelzoo.build import LibraryMissingError, model_class, tiny_overrides
 from torchmind_modelzoo.checks import InputError, check_source
-from torchmind_modelzoo.options import TrainOptions
+from torchmind_modelzoo.options import JOB_DEFAULTS, TrainOptions
 from torchmind_modelzoo.schema import Category, ModelCard, Status
 
 
@@ -57,32 +63,93 @@ def write_tiny_config(card: ModelCard, folder: Path) -> Path:
     return folder / "config.json"
 
 
+def job_tree(card: ModelCard, options: TrainOptions) -> dict[str, Any]:
+    """The run's TrainConfig values before validation: hyperparallel's defaults changed by
+    :data:`JOB_DEFAULTS` and the card's out-dir (``runs/train/<card>``), then ``options.job``
+    section by section. Evaluation and the checkpoint come at the last step and warm-up is a
+    tenth of the steps (a 20-step run reaches its learning rate), unless ``options.job`` sets
+    them.
+
+    Raises:
+        InputError: ``options.job`` sets the model (``hf.source``, ``hf.load_weights``), which a
+            card run takes from the card or ``--path``.
+    """
+    hf = options.job.get("hf")
+    for key in ("source", "load_weights"):
+        if isinstance(hf, dict) and key in hf:
+            raise InputError(
+                f"hf.{key}={hf[key]!r}: a card run trains the card's model (--tiny) or --path "
+                "DIR; leave hf.source and hf.load_weights out"
+            )
+    tree = copy.deepcopy(JOB_DEFAULTS)
+    tree["out_dir"] = str(Path("runs") / "train" / card.id)
+    merge(tree, copy.deepcopy(options.job))
+    steps = tree["steps"]
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:  # else refused
+        derived = {"eval_every": steps, "checkpoint_every": steps}
+        derived["optim.warmup_steps"] = max(1, steps // 10)
+        for key, value in derived.items():
+            if not _has_key(tree, key):
+                _set_key(tree, key, value)
+    return tree
+
+
 def train_config(card: ModelCard, options: TrainOptions, model: Path) -> Any:
-    """hyperparallel's ``TrainConfig`` for ``card`` trained from ``model`` (a config.json or
-    a model folder). Evaluation and the checkpoint come at the last step; warm-up is a tenth
-    of the steps, so a 20-step run reaches its learning rate."""
+    """hyperparallel's ``TrainConfig`` for ``card`` trained from ``model`` (a config.json or a
+    model folder): :func:`job_tree` with the model set, validated by ``TrainConfig`` itself.
+
+    Raises:
+        InputError: one line naming the key, its value and what is allowed.
+    """
     from hyperparallel.train.config import TrainConfig
 
-    out = options.out_dir or Path("runs") / "train" / card.id
-    return TrainConfig.model_validate(
-        {
-            "hf": {"source": str(model), "load_weights": not options.tiny},
-            "data": {
-                "path": None if options.data is None else str(options.data),
-                "max_bytes": options.max_bytes,
-                "seq_len": options.seq_len,
-                "batch_size": options.batch_size,
-            },
-            "optim": {"warmup_steps": max(1, options.steps // 10)},
-            "parallel": {"nproc": options.nproc, "mesh": options.mesh},
-            "steps": options.steps,
-            "eval_every": options.steps,
-            "checkpoint_every": options.steps,
-            "eval_batches": 2,
-            "out_dir": str(out),
-            "seed": options.seed,
-        }
-    )
+    tree = job_tree(card, options)
+    _set_key(tree, "hf.source", str(model))
+    _set_key(tree, "hf.load_weights", not options.tiny)
+    unknown = _unknown_setting(TrainConfig, tree)
+    if unknown is not None:
+        raise InputError(unknown)
+    try:
+        return TrainConfig.validate_tree(tree)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _has_key(tree: dict[str, Any], dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    try:
+        set_dotted(tree, dotted, value)
+    except ConfigError as exc:
+        raise InputError(str(exc).replace("--set ", "", 1)) from None
+
+
+def _unknown_setting(model: type[BaseModel], tree: dict[str, Any], prefix: str = "") -> str | None:
+    """``key=value: ...; choose one of ...`` for the first key ``model`` lacks, else None.
+
+    TrainConfig refuses such a key too, but without naming what the section does have.
+    """
+    for key, value in tree.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            where = f"section {prefix[:-1]}" if prefix else "TrainConfig"
+            return (
+                f"{prefix}{key}={value!r}: hyperparallel's {where} has no such setting; choose "
+                f"one of {', '.join(model.model_fields)}"
+            )
+        section = field.annotation
+        if isinstance(value, dict) and isinstance(section, type) and issubclass(section, BaseModel):
+            found = _unknown_setting(section, value, f"{prefix}{key}.")
+            if found is not None:
+                return found
+    return None
 
 
 def train(
@@ -106,13 +173,11 @@ def train(
     from hyperparallel.train import job
     from hyperparallel.train.checkpoint import CheckpointError
 
-    out = options.out_dir or Path("runs") / "train" / card.id
-    options = options.model_copy(update={"out_dir": out})
+    out = Path(str(job_tree(card, options)["out_dir"]))
+    model = out / "model" / "config.json" if options.tiny else Path(options.path or "")
+    cfg = train_config(card, options, model)  # every setting checked before a file is written
     if options.tiny:
-        model = _tiny_model(card, out, resume=resume, overwrite=overwrite)
-    else:
-        model = Path(options.path or "")
-    cfg = train_config(card, options, model)
+        _write_tiny_model(card, model.parent, resume=resume, overwrite=overwrite)
     started = time.perf_counter()
     try:
         job.prepare(cfg, resume=resume, overwrite=overwrite)
@@ -125,8 +190,8 @@ def train(
         "architecture": card.architecture,
         "model": str(model),
         "tiny": options.tiny,
-        "nproc": options.nproc,
-        "mesh": options.mesh,
+        "nproc": cfg.parallel.nproc,
+        "mesh": cfg.parallel.mesh,
         "steps": [first.first_step, first.last_step],
         "losses": first.train_losses,
         "val_loss": first.val_losses[-1] if first.val_losses else None,
@@ -135,16 +200,15 @@ def train(
     }
 
 
-def _tiny_model(card: ModelCard, out: Path, *, resume: bool, overwrite: bool) -> Path:
-    """Where the tiny config goes (``OUT/model``). It is written before the checks (they read
-    it) only into a new folder or one this command is allowed to change; an earlier run's
-    folder without --resume/--overwrite is left for hyperparallel to refuse untouched."""
-    folder = out / "model"
+def _write_tiny_model(card: ModelCard, folder: Path, *, resume: bool, overwrite: bool) -> None:
+    """The tiny config in ``folder`` (``OUT/model``). It is written before hyperparallel's checks
+    (they read it) only into a new folder or one this command is allowed to change; an earlier
+    run's folder without --resume/--overwrite is left for hyperparallel to refuse untouched."""
     if not (folder / "config.json").exists() or resume or overwrite:
         try:
             write_tiny_config(card, folder)
         except OSError as exc:
             raise InputError(
-                f"--out-dir {out}: cannot write {folder / 'config.json'} ({exc.strerror or exc})"
+                f"out_dir {folder.parent}: cannot write {folder / 'config.json'} "
+                f"({exc.strerror or exc})"
             ) from None
-    return folder / "config.json"
