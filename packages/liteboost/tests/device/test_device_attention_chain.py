@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from liteboost import env
 from liteboost.attention import backends
 from liteboost.attention.backends import AttentionBackend, AttentionCall, select_backend
-from npu_core.bench import compare
 from npu_core.testing import requires_cuda
 
 pytestmark = [pytest.mark.device, requires_cuda]
@@ -127,26 +126,3 @@ def test_each_installed_flash_build_equals_sdpa(backend, ran):
     out = backends.flash_attention(*bnsd, layout="BNSD", backend=backend)
     torch.testing.assert_close(out.transpose(1, 2), ref, **BF16_TOLERANCE)
     assert ran == [backend, backend]
-
-
-def test_chain_speed_against_sdpa_at_wan_480p(monkeypatch, record_property):
-    """Records (does not assert) the chain's choice against forced SDPA: Wan2.1 1.3B 480p
-    self-attention, 32760 tokens, 12 heads of 128, bf16."""
-    monkeypatch.delenv(env.ATTENTION_BACKEND, raising=False)
-    q, k, v = _qkv(torch.bfloat16, heads=12, seq=32760, seed=4)
-    chosen = select_backend(AttentionCall.of(q, k, v))
-    timing = compare(
-        lambda: backends.flash_attention(q, k, v, backend="sdpa"),
-        lambda: backends.flash_attention(q, k, v),
-        warmup=2,
-        repeats=10,
-    )
-    numbers = {
-        "chain_backend": chosen.value,
-        "sdpa_ms": round(1000 * timing.baseline.median, 3),
-        "chain_ms": round(1000 * timing.candidate.median, 3),
-        "speedup": round(timing.ratio_median, 3),
-    }
-    for key, value in numbers.items():
-        record_property(key, value)
-    print(f"attention chain at 480p: {numbers}")
