@@ -239,7 +239,9 @@ def launch(
         for proc in procs:
             proc.start()
         try:
-            return _collect(procs, results, timeout)
+            values = _collect(procs, results, timeout)
+            _join(procs, _GRACE_S)
+            return values
         finally:
             _terminate(procs)
             results.close()
@@ -365,6 +367,19 @@ def _check_exits(procs: list[Any], values: dict[int, Any], results: Any) -> None
             rank=rank,
             exitcode=proc.exitcode,
         )
+
+
+def _join(procs: list[Any], grace: float) -> None:
+    """Let ranks that all reported a result finish exiting on their own, for up to ``grace`` s.
+
+    A rank still runs multiprocessing's exit finalizers after it reports: they unlink the
+    semaphores it created (tqdm's multiprocessing lock, made by any progress bar, is one). A
+    rank terminated in that window leaves them to the resource tracker, which warns about
+    "leaked semaphore objects" when the launching process exits.
+    """
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _terminate(procs: list[Any]) -> None:
