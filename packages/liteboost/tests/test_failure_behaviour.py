@@ -9,16 +9,25 @@ refused the same way on both.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from typer.testing import CliRunner
 
+import liteboost.forced_kernels
 import npu_core.dist
+from liteboost import BoostManager
+from liteboost.attention.processor import BoostedWanAttnProcessor
 from liteboost.cli import app, main
 from liteboost.ops import sparse_attention
+from liteboost.tiny import build_tiny_transformer
+from npu_core.device import Backend
+from npu_core.dist import launch
 
 
 @pytest.fixture
@@ -139,6 +148,21 @@ def test_bad_backend_in_the_environment_is_refused(launches, tmp_path):
     )
 
 
+def test_unknown_collective_backend_is_refused_before_any_rank(launches, tmp_path):
+    out = ["--out", str(tmp_path / "o")]
+    env = {"NPU_CORE_COMM_BACKEND": "bogus"}
+    _refused(launches, tmp_path, out, "'NPU_CORE_COMM_BACKEND': ", env=env)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl can run where CUDA is")
+def test_nccl_without_cuda_is_refused_before_any_rank(launches, tmp_path):
+    """Every rank would fail to start its process group; refused once, before any starts."""
+    out = ["--out", str(tmp_path / "o"), "--nproc", "2"]
+    env = {"NPU_CORE_COMM_BACKEND": "nccl"}
+    line = _refused(launches, tmp_path, out, "collective backend 'nccl' cannot run here", env=env)
+    assert "usable here: gloo" in line
+
+
 def test_config_file_missing_or_with_unknown_key(launches, tmp_path):
     _refused(launches, tmp_path, ["--config", str(tmp_path / "none.toml")], "no such file")
     bad = tmp_path / "bad.toml"
@@ -172,6 +196,28 @@ def test_earlier_outputs_are_kept_unless_overwrite(launches, tmp_path, video_for
     assert (out / f"video.{video_format}").read_bytes() == b"earlier video", (
         "replaced only at the end"
     )
+
+
+@pytest.mark.parametrize("name", ["video.gif", "contact_sheet.png"])
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["", "--overwrite"])
+def test_an_output_path_that_is_a_folder_is_refused_before_any_rank(
+    launches, tmp_path, name, overwrite
+):
+    """The video and the sheet are written after the whole render: a folder in their place
+    (which no rename can replace) is refused first, with --overwrite too."""
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    (out / name / "keep.txt").write_text("the user's")
+    _refused(launches, tmp_path, ["--out", str(out), *overwrite], f"{out / name} is a folder")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes (POSIX)")
+def test_an_output_path_that_is_not_a_regular_file_is_refused(launches, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "contact_sheet.png")
+    args = ["--out", str(out), "--overwrite"]
+    _refused(launches, tmp_path, args, "contact_sheet.png exists and is not a regular file")
 
 
 def test_model_folder_faults(launches, tmp_path):
@@ -318,3 +364,101 @@ def test_cache_and_vae_mode_options_reach_the_ranks(launches, tmp_path):
         assert result.exit_code == 0, result.output
         (_, _, (config,)) = launches[0]
         assert (config.cache, config.cache_threshold, config.vae_mode) == expected
+
+
+# BoostManager: a forced kernel that cannot run here is refused when boosting, not at a forward.
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """This machine described as having no accelerator, whatever it has."""
+    monkeypatch.setattr(liteboost.forced_kernels, "detect_backend", lambda: Backend.CPU)
+    monkeypatch.delenv("LITEBOOST_ATTENTION_BACKEND", raising=False)
+
+
+# What can run on CPU, from the documented constraints: every dense backend but SDPA needs an
+# accelerator (FlashAttention CUDA, npu_fusion_attention Ascend); the sparse "npu" kernel needs
+# an NPU, the fused "cpu", flex, gather and reference kernels run on CPU.
+FORCED_ON_CPU = [
+    ({"attention_backend": "fa3"}, "attention_backend='fa3'", "(allowed: cuda)", "sdpa"),
+    ({"attention_backend": "fa2"}, "attention_backend='fa2'", "(allowed: cuda)", "sdpa"),
+    ({"attention_backend": "npu"}, "attention_backend='npu'", "(allowed: npu)", "sdpa"),
+    (
+        {"sparse_kernel": "npu", "sparsity": 0.5},
+        "sparse_kernel='npu'",
+        "(allowed: npu)",
+        "cpu, flex, gather, reference",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "named", "why", "usable"), FORCED_ON_CPU)
+def test_boost_manager_refuses_a_forced_kernel_that_cannot_run_here(
+    cpu_machine, kwargs, named, why, usable
+):
+    model = build_tiny_transformer()
+    with pytest.raises(ValueError, match="cannot run here") as refused:
+        BoostManager(model, block_size=16, **kwargs)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{named} cannot run here: device 'cpu' {why}"), message
+    assert message.endswith(f"usable here: {usable}"), message
+    processors = model.attn_processors.values()
+    assert all(isinstance(p, WanAttnProcessor) for p in processors), "nothing may stay attached"
+
+
+def test_boost_manager_refuses_a_forced_backend_from_the_environment(cpu_machine, monkeypatch):
+    monkeypatch.setenv("LITEBOOST_ATTENTION_BACKEND", "fa3")
+    with pytest.raises(ValueError, match=r"^LITEBOOST_ATTENTION_BACKEND='fa3' cannot run here"):
+        BoostManager(build_tiny_transformer())
+
+
+def test_boost_manager_takes_a_forced_kernel_that_runs_here(cpu_machine):
+    """Forcing what CPU can run is accepted: the boost is attached."""
+    model = build_tiny_transformer()
+    with BoostManager(model, attention_backend="sdpa", sparse_kernel="reference", sparsity=0.5):
+        processors = model.attn_processors.values()
+        assert processors and all(isinstance(p, BoostedWanAttnProcessor) for p in processors)
+
+
+# Every run ended with resource_tracker's "There appear to be 1 leaked semaphore objects": each
+# rank's progress bars (tqdm, through diffusers and the hub) create a multiprocessing lock, a
+# named semaphore, and the launcher terminated the ranks before their exit unlinked it.
+_RANK_LOCKS: list = []
+
+
+def _rank_making_a_lock() -> str | None:
+    """What tqdm does in each rank: a module-lifetime multiprocessing lock; returns its name."""
+    lock = multiprocessing.RLock()
+    _RANK_LOCKS.append(lock)
+    # CPython's named POSIX semaphore (None when the start method unlinks it at once)
+    return lock._semlock.name
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="named semaphores in /dev/shm (Linux)")
+def test_semaphores_a_rank_creates_are_released_when_the_launch_returns():
+    names = launch(_rank_making_a_lock, 2, timeout=120)
+    assert all(names), "the ranks' locks must be named semaphores for this test to see them"
+    left = [name for name in names if Path("/dev/shm", "sem." + name.lstrip("/")).exists()]
+    assert left == [], f"semaphores {left} outlived their ranks (leaked to the resource tracker)"
+
+
+@pytest.mark.distributed
+def test_a_failed_rank_is_one_line_naming_it_with_its_traceback_kept(tmp_path):
+    """A model folder whose configs pass the checks but that holds no weights: every rank fails
+    loading it, and the user reads one line naming the rank and the cause, exit 1."""
+    model = _wan_folder(tmp_path / "configs-only")
+    out = tmp_path / "out"
+    args = ["generate", "--model", str(model), "--nproc", "2", "--out", str(out)]
+    result = CliRunner().invoke(app, args, env={"LITEBOOST_ATTENTION_BACKEND": ""})
+    assert result.exit_code == 1, result.output + repr(result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("error: rank "), line
+    rank = int(line.removeprefix("error: rank ").split(":")[0])
+    log = out / "logs" / f"rank{rank}.log"
+    assert line.endswith(f"(traceback in {log})"), line
+    assert "Traceback" in log.read_text() and "from_pretrained" in log.read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["logs"], "no output of a failed run"

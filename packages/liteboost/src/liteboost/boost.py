@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from liteboost._components import components
 from liteboost.attention.backends import parse_backend
 from liteboost.cache import apply_cache, cache_config
+from liteboost.forced_kernels import check_boost_kernels
 from liteboost.models.registry import Handle, find_boost, supported_boosts, unsupported
 from liteboost.ops.rain_fusion import SparseKernel
 from npu_core.config import StrictConfig
@@ -97,10 +98,13 @@ class BoostManager:
         sparsity: share of self-attention key blocks skipped, in [0, 1); 0 = dense attention.
         rope_cache: cache RoPE tables and rotate with one complex multiply.
         attention_backend: "fa3", "fa2", "npu" or "sdpa"; None = first usable (or the
-            ``LITEBOOST_ATTENTION_BACKEND`` environment variable).
+            ``LITEBOOST_ATTENTION_BACKEND`` environment variable). A forced backend is checked
+            here against the model's device, this machine's accelerator and the model's head
+            dim (``liteboost.forced_kernels``); a call in a dtype it does not take raises.
         block_size: tokens per sparse block (128 matches the NPU kernel).
         sparse_kernel: "npu", "cpu", "gather", "flex" or "reference"; None = per device (NPU op,
-            the fused "cpu" kernel on CPU, else flex).
+            the fused "cpu" kernel on CPU, else flex). A forced kernel is checked here like
+            ``attention_backend``.
         cache: step caching through diffusers' cache hooks on every boosted transformer: a
             diffusers cache config (``FirstBlockCacheConfig(threshold=0.1)``, ...) or a name
             ("first_block", "pab", "taylorseer"); None = off. Composes with sparse attention
@@ -109,7 +113,9 @@ class BoostManager:
 
     Raises:
         UnsupportedModelError: nothing in ``model_or_pipeline`` is supported; lists what is.
-        ValueError: a setting is out of range (the message names it and what is allowed), or a
+        ValueError: a setting is out of range (the message names it and what is allowed), a
+            forced attention backend or sparse kernel cannot run on any device this model can
+            use here (the message names the argument, the reason and what is usable), or a
             component is already boosted by another BoostManager.
     """
 
@@ -146,6 +152,7 @@ class BoostManager:
         if not targets:
             raise unsupported(model_or_pipeline, "boost", supported_boosts())
         for name, module, _ in targets:
+            check_boost_kernels(module, self.config.attention_backend, self.config.sparse_kernel)
             _refuse_boosted(name, module)
         try:
             for name, module, plan in targets:

@@ -4,6 +4,8 @@
 The generate options come from :class:`liteboost.generate.GenerateOptions` (``npu_core.cli``), so
 ``--config FILE.toml`` and ``--set field=value`` reach every field. Every input is checked
 before a model is built (:mod:`liteboost.preflight`): a bad one is one line on stderr, exit 2.
+A rank that fails is one line too (the rank and the cause), exit 1, with its traceback kept in
+``<out>/logs/rank<N>.log``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Annotated
 import typer
 
 from liteboost.generate import GenerateOptions
-from npu_core.cli import HelpGroup, config_options, fail, run_app
+from npu_core.cli import HelpGroup, config_options, fail, rank_failures, run_app
 
 app = typer.Typer(
     cls=HelpGroup,
@@ -47,6 +49,7 @@ def preflight(config: GenerateOptions, *, nproc: int, timeout: float, overwrite:
     facts = checks.model_facts(config.model)
     checks.check_size(config.height, config.width, config.frames, facts)
     checks.check_attention_backend(config.attention_backend, facts)
+    checks.check_comm_backend_here()
     checks.check_out(Path(config.out), config.video_format, overwrite)
 
 
@@ -77,7 +80,8 @@ def generate(
         preflight(config, nproc=nproc, timeout=timeout, overwrite=overwrite)
     except PreflightError as exc:
         fail(str(exc))
-    results = run(generate_rank, nproc, config, timeout=timeout)
+    with rank_failures(Path(config.out) / "logs"):
+        results = run(generate_rank, nproc, config, timeout=timeout)
     written = next((r for r in results if r is not None), None)
     if written is not None:
         Console().print(
@@ -102,8 +106,7 @@ def build_cpu_kernel() -> None:
     try:
         extension = build_cpu_extension()
     except Exception as exc:  # the toolchain's own message is the useful part
-        typer.echo(f"error: the CPU kernel extension cannot be built here: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        fail(f"the CPU kernel extension cannot be built here: {exc}", code=1)
     done = "built" if extension.built else "already built; loaded"
     typer.echo(f"{done} {extension.name} ({extension.tag}) in {extension.seconds:.2f} s")
     typer.echo(f"cached at {extension.library}")

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from liteboost.attention.backends import AttentionCall, forced_backend, select_backend
+from liteboost import env
+from liteboost.attention.backends import ATTENTION_BACKENDS, AttentionCall, forced_backend
+from liteboost.forced_kernels import check_forced
 from liteboost.tiny import TINY_TRANSFORMER, TINY_VAE
+from npu_core import env as npu_env
+from npu_core.device import check_comm_backend, comm_backend
+from npu_core.files import UnwritableFolderError, check_writable_folder
 
 # WanPipeline.check_inputs refuses heights and widths that are not multiples of 16.
 _PIPELINE_MULTIPLE = 16
@@ -167,17 +170,19 @@ def check_size(height: int, width: int, frames: int, facts: ModelFacts) -> None:
 def check_attention_backend(name: str | None, facts: ModelFacts) -> None:
     """A forced dense backend (option or ``LITEBOOST_ATTENTION_BACKEND``) that can run here.
 
-    Uses the backends' declared constraints on the call generate will make (device, dtype, head
-    dim), so ``fa3`` on a CPU run is refused now rather than at the first attention call.
+    The rule ``BoostManager`` applies (:func:`liteboost.forced_kernels.check_forced`) on the
+    call generate will make (device, dtype, head dim), so ``fa3`` on a CPU run is refused now
+    rather than at the first attention call.
     """
+    option = "--attention-backend" if name is not None else "LITEBOOST_ATTENTION_BACKEND"
+    source = "attention_backend" if name is not None else env.ATTENTION_BACKEND
     try:
         forced = forced_backend(name)
         if forced is None:
             return
-        call = AttentionCall(facts.device, facts.dtype, facts.head_dim, facts.head_dim)
-        select_backend(call, forced)
-    except (ValueError, RuntimeError) as exc:
-        option = "--attention-backend" if name is not None else "LITEBOOST_ATTENTION_BACKEND"
+        call = AttentionCall.on(facts.device, facts.dtype, facts.head_dim)
+        check_forced(ATTENTION_BACKENDS, forced.value, [call], source)
+    except ValueError as exc:
         raise PreflightError(option, f"{exc} (generate runs on {facts.device})") from None
 
 
@@ -187,35 +192,56 @@ def output_paths(out: Path, video_format: str) -> list[Path]:
 
 
 def check_out(out: Path, video_format: str, overwrite: bool) -> None:
-    """``--out`` is a folder (or can become one) this process can write into.
+    """``--out`` is a folder (or can become one) this process can write into, and each output
+    path in it can become a file.
 
     Outputs of an earlier run are refused unless ``overwrite``: they are then replaced
-    atomically when the new ones are complete. Writability is probed with a temporary file in
-    the nearest existing folder, which is removed again: nothing is left behind.
+    atomically when the new ones are complete. A folder (or anything else that is not a file)
+    where an output goes is refused even with ``overwrite``: the run could not replace it and
+    would fail after rendering the whole video. Nothing is created or left behind
+    (:func:`npu_core.files.check_writable_folder`).
     """
-    if out.exists() and not out.is_dir():
-        raise PreflightError("--out", f"{out} is a file; expected a folder for the outputs")
-    existing = [p.name for p in output_paths(out, video_format) if p.exists()]
-    if existing and not overwrite:
+    try:
+        check_writable_folder(out)
+    except UnwritableFolderError as exc:
+        raise PreflightError("--out", str(exc)) from None
+    earlier = []
+    for path in output_paths(out, video_format):
+        if path.is_dir():
+            raise PreflightError(
+                "--out",
+                f"{path} is a folder, where liteboost generate writes its {path.name} file; "
+                "move it away or choose another folder",
+            )
+        if path.exists() and not path.is_file():
+            raise PreflightError(
+                "--out",
+                f"{path} exists and is not a regular file, where liteboost generate writes its "
+                f"{path.name}; move it away or choose another folder",
+            )
+        if path.is_symlink() or path.exists():
+            earlier.append(path.name)
+    if earlier and not overwrite:
         raise PreflightError(
             "--out",
-            f"{out} already holds {' and '.join(existing)} from an earlier run; pass --overwrite "
+            f"{out} already holds {' and '.join(earlier)} from an earlier run; pass --overwrite "
             "to replace them or choose another folder",
         )
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise PreflightError("--out", f"{out} cannot be created: {parent} is a file")
+
+
+def check_comm_backend_here() -> None:
+    """The collective backend every rank will start (``NPU_CORE_COMM_BACKEND`` or the one
+    detected) can run in this process: otherwise each rank would fail at start-up."""
     try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".liteboost-probe-")
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise PreflightError(
-            "--out", f"{out} is not writable (creating a file in {parent} failed: {reason})"
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
+        name = comm_backend().value
+    except RuntimeError as exc:  # NPU_CORE_BACKEND names a device this machine lacks
+        raise PreflightError(npu_env.BACKEND, str(exc)) from None
+    except ValueError as exc:  # NPU_CORE_COMM_BACKEND names no backend
+        raise PreflightError(npu_env.COMM_BACKEND, str(exc)) from None
+    try:
+        check_comm_backend(name)
+    except ValueError as exc:
+        raise PreflightError(npu_env.COMM_BACKEND, str(exc)) from None
 
 
 def check_numbers(*, nproc: int, timeout: float) -> None:

@@ -81,6 +81,13 @@ class AttentionCall:
             capability=capability,
         )
 
+    @classmethod
+    def on(cls, device: str, dtype: torch.dtype, head_dim: int) -> AttentionCall:
+        """Describe the calls a model makes on ``device`` (a device type) without tensors: q, k
+        and v of one ``dtype`` and ``head_dim``, the capability of the current CUDA device."""
+        capability = _cuda_capability(torch.device(device)) if device == "cuda" else None
+        return cls(device, dtype, head_dim, head_dim, capability)
+
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
     index = torch.cuda.current_device() if device.index is None else device.index
