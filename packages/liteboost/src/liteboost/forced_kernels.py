@@ -82,9 +82,11 @@ def check_boost_kernels(
     Raises:
         ValueError: as :func:`check_forced`, naming the argument (or the variable) and value.
     """
-    devices = model_devices(module)
-    backend = forced_backend(attention_backend)
     head_dim = getattr(getattr(module, "config", None), "attention_head_dim", None)
+    backend = None if head_dim is None else forced_backend(attention_backend)
+    if backend is None and sparse_kernel is None:
+        return  # nothing forced: the chains choose per call, and no device is probed
+    devices = model_devices(module)
     if backend is not None and head_dim is not None:
         source = "attention_backend" if attention_backend is not None else env.ATTENTION_BACKEND
         dense = [
