@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from npu_core.run_record import RunRecord
 from packages.hyperparallel.tests.tiny_hf import TINY_HF_SHAPE
 
 # Measured decisions (Newton-Schulz strategy, fast bf16 GEMMs) take their documented fallbacks in
@@ -32,9 +33,11 @@ def snapshot() -> Callable[[Path], dict[Path, bytes]]:
 
 @pytest.fixture
 def earlier_run(snapshot) -> Callable[[Path], dict[Path, bytes]]:
-    """Make a folder look like a finished ``hyperparallel train`` run plus a user's own file."""
+    """Make a folder look like a finished ``hyperparallel train`` run (its artefacts, recorded
+    as the job records them) plus a user's own file."""
 
     def make(folder: Path) -> dict[Path, bytes]:
+        RunRecord(folder).claim(["metrics.json", "loss.png", "checkpoints", "logs"])
         (folder / "checkpoints" / "step_0000010").mkdir(parents=True)
         (folder / "checkpoints" / "latest").write_text("step_0000010")
         (folder / "metrics.json").write_text('{"train": []}')

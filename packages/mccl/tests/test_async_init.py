@@ -95,7 +95,9 @@ def _init_with_absent_rank(absent: int, init_timeout: float) -> dict | None:
     if int(os.environ["RANK"]) == absent:
         return None
     start = time.monotonic()
-    mccl.init_process_group("gloo", init_timeout=init_timeout)
+    handle = mccl.init_process_group("gloo", init_timeout=init_timeout)
+    time.sleep(init_timeout / 2)  # past the first listing of absent ranks (every 0.5 s)
+    waiting = handle.waiting_for()
     try:
         dist.get_world_size()
     except mccl.InitTimeoutError as exc:
@@ -104,6 +106,8 @@ def _init_with_absent_rank(absent: int, init_timeout: float) -> dict | None:
             "missing": exc.missing_ranks,
             "message": str(exc),
             "after": time.monotonic() - start,
+            "waiting": waiting,
+            "waiting_after": handle.waiting_for(),
         }
     return {"missing": None}
 
@@ -111,7 +115,8 @@ def _init_with_absent_rank(absent: int, init_timeout: float) -> dict | None:
 @pytest.mark.distributed
 @pytest.mark.parametrize(("world_size", "absent"), [(3, 2), (2, 0)])
 def test_absent_rank_gives_timeout_error_naming_it(world_size, absent):
-    """A rank that never arrives is named in InitTimeoutError within init_timeout, no hang."""
+    """A rank that never arrives is named in InitTimeoutError within init_timeout, no hang;
+    while the others wait, the handle says what for (the store, or how many ranks)."""
     results = launch(_init_with_absent_rank, world_size, absent, 2.0, backend=None, timeout=60)
     for rank, result in enumerate(results):
         if rank == absent:
@@ -119,6 +124,9 @@ def test_absent_rank_gives_timeout_error_naming_it(world_size, absent):
         assert result["missing"] == [absent]
         assert f"{absent}" in result["message"] and "127.0.0.1:" in result["message"]
         assert result["after"] < 2.0 + 5.0
+        expected = "the rendezvous store at 127.0.0.1:" if absent == 0 else "1 more rank at "
+        assert result["waiting"].startswith(expected), result["waiting"]
+        assert result["waiting_after"] is None
 
 
 def _failing_init(backend: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,7 +13,7 @@ from hyperparallel.train import job
 from hyperparallel.train.checkpoint import CheckpointError
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.presets import PRESETS
-from npu_core.cli import HelpGroup, config_options, fail, run_app
+from npu_core.cli import HelpGroup, config_options, fail, rank_failures, run_app
 from npu_core.config import ConfigError
 
 app = typer.Typer(
@@ -66,8 +67,16 @@ def train(
     overwrite: Annotated[
         bool,
         typer.Option(
-            help="Replace an earlier run in --out-dir (its metrics, plot and checkpoints); "
-            "without it or --resume such a folder is refused."
+            help="Replace an earlier run in --out-dir (what it recorded writing: metrics, plot, "
+            "checkpoints, logs, traces; nothing else); without it or --resume such a folder "
+            "is refused."
+        ),
+    ] = False,
+    allow_config_change: Annotated[
+        bool,
+        typer.Option(
+            help="With --resume: accept model or data settings that differ from the run's "
+            "(refused otherwise, naming the fields)."
         ),
     ] = False,
 ) -> None:
@@ -79,22 +88,33 @@ def train(
     MoE and MLA+MoE families (Llama, Qwen3, Qwen3-MoE, Qwen3-Next, GLM-4.5, gpt-oss, MiniMax-M2,
     DeepSeek-V3, Gemma 3, Phi-3) train with FSDP2/HSDP per decoder block, Muon for hidden
     matrices and expert stacks, AdamW for the rest; MoE families also with ep (experts
-    sharded, tokens by all-to-all, e.g. --mesh ep=2,dp_shard=2); pp meshes are refused. Weights load
-    when the folder has them (else random from --seed; --set hf.overrides={...} changes the
-    shape); the folder's tokenizer is used when it has one, else bytes.
+    sharded, tokens by all-to-all, e.g. --mesh ep=2,dp_shard=2); pp (e.g. --mesh pp=2,ep=2) for
+    the architectures their family cuts into stages. Weights load when the folder has them
+    (else random from --seed; --set hf.overrides={...} changes the shape); the folder's
+    tokenizer is used when it has one, else bytes.
 
     Prints the saved-activation bytes of a step by placement (device / host / recomputed).
-    Writes OUT_DIR/metrics.json, OUT_DIR/loss.png and DCP checkpoints in OUT_DIR/checkpoints.
+    Writes OUT_DIR/metrics.json, OUT_DIR/loss.png and DCP checkpoints in OUT_DIR/checkpoints;
+    a failed rank's traceback goes to OUT_DIR/logs.
     """
     cfg = config
     try:
-        job.prepare(cfg, resume=resume, overwrite=overwrite, warn=_warn)
-    except (ValueError, FileNotFoundError) as exc:
+        job.prepare(
+            cfg,
+            resume=resume,
+            overwrite=overwrite,
+            allow_config_change=allow_config_change,
+            warn=_warn,
+        )
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:
         fail(str(exc))
-    try:
-        results = job.start(cfg, resume=resume)
-    except CheckpointError as exc:  # a fact about the user's files: one line, not a traceback
-        fail(str(exc))
+    # A rank's failure (a signal, out of memory, a full disk, a stopped peer, an exception) is
+    # one line naming the rank and the cause; its traceback is kept in OUT_DIR/logs.
+    with rank_failures(Path(cfg.out_dir) / "logs"):
+        try:
+            results = job.start(cfg, resume=resume)
+        except CheckpointError as exc:  # a fact about the user's files: exit 2, like a refusal
+            fail(str(exc))
     if not env.is_rank_zero():  # under torchrun, rank 0 alone reports
         return
     first = results[0]

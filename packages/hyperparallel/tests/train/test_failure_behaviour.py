@@ -3,13 +3,15 @@
 Every case asserts the exit code, the one-line message and that no file was written or lost.
 Refusals happen before any rank starts; faults during a run (a killed rank, a signal, a damaged
 checkpoint) stop every rank and leave the last complete checkpoint resumable. The README's
-"Failure behaviour" section is written from this module. Related unit tests: manifests and
-fall-back in ``test_checkpoint_integrity.py``, the out-dir rules in ``test_out_dir.py``, the
-launcher's own signal handling in npu-core's ``test_launch.py``.
+"Failure behaviour" section is written from this module and ``test_rank_failures.py`` (a rank's
+failure as one line). Related unit tests: manifests and fall-back in
+``test_checkpoint_integrity.py``, the out-dir rules in ``test_out_dir.py``, the launcher's own
+signal handling in npu-core's ``test_launch.py``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +24,7 @@ from typer.testing import CliRunner
 
 from hyperparallel.cli import app, main
 from hyperparallel.data.stdlib_bytes import read_corpus
-from hyperparallel.train import checkpoint
+from hyperparallel.train import checkpoint, job
 from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
 from hyperparallel.train.trainer import train_rank
@@ -96,7 +98,34 @@ REFUSED = [
     ("binary config", ["--config", "{tmp}/blob.bin"], "not valid TOML"),
     ("resume without checkpoint", ["--resume"], "--resume: no checkpoint under"),
     ("resume and overwrite", ["--resume", "--overwrite"], "exclude each other"),
-    ("unwritable out-dir", ["--out-dir", "{tmp}/empty.txt/run"], "cannot be written"),
+    ("out-dir below a file", ["--out-dir", "{tmp}/empty.txt/run"], "cannot be created"),
+    (
+        "model too large for the machine",
+        ["--set", "model.dim=1048576"],
+        "the built-in MoE (model.dim=1048576, model.n_layers=1, model.n_experts=4, "
+        "model.ffn_dim=32, model.vocab_size=256) has 4,398,993,375,232 parameters; 2 ranks each "
+        "build it whole in fp32 at start-up, at least 32,775.1 GiB, above this machine's",
+    ),
+    (
+        "vocabulary below the bytes",
+        ["--set", "model.vocab_size=10"],
+        "model.vocab_size=10 is below the byte vocabulary: the data holds byte value",
+    ),
+    (
+        "tokenizer without --model",
+        ["--tokenizer", "{tmp}"],
+        "--tokenizer applies only to a transformers model, and no --model (hf.source) is given",
+    ),
+    (
+        "hf.overrides without --model",
+        ["--set", "hf.overrides={num_hidden_layers=2}"],
+        "hf.overrides applies only to a transformers model",
+    ),
+    (
+        "config change flag without --resume",
+        ["--allow-config-change"],
+        "applies only with --resume",
+    ),
 ]
 
 
@@ -169,6 +198,89 @@ def test_binary_file_inside_a_data_folder_is_skipped_with_one_warning(tmp_path, 
         assert read_corpus(data) == (data / "a.txt").read_bytes()
 
 
+def test_a_checkpoints_symlink_is_refused_not_followed(tmp_path, snapshot):
+    """An out-dir whose ``checkpoints`` is a symlink the job did not create: --overwrite is one
+    line, exit 2, and neither the link nor its target changes (was: an rmtree traceback)."""
+    target = _text_folder(tmp_path / "elsewhere")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(target)
+    before = snapshot(target)
+    result = _invoke("--out-dir", str(run), "--overwrite")
+    assert result.exit_code == 2, result.output
+    (line,) = _lines(result)
+    assert line.startswith(f"error: --out-dir {run} holds checkpoints, which no recorded run")
+    assert (run / "checkpoints").is_symlink() and snapshot(target) == before
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+
+
+def _finished_run(folder: Path, cfg) -> None:
+    """A run's folder as the job leaves it: its record, a checkpoint, metrics with its config."""
+    from hyperparallel.train.metrics import MetricsLog
+    from npu_core.run_record import RunRecord
+
+    RunRecord(folder).claim(["metrics.json", "loss.png", "checkpoints", "logs"])
+    step = folder / "checkpoints" / "step_0000005"
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(b"\1" * 64)
+    checkpoint._write_manifest(step)
+    MetricsLog().write(folder / "metrics.json", cfg.model_dump())
+
+
+def test_resume_with_changed_model_or_data_settings_is_refused(tmp_path, snapshot):
+    """--resume with other attention heads (the same tensor shapes) or other windows: one line
+    naming each changed field, before any rank starts and with nothing written."""
+    _finished_run(tmp_path, _cfg(tmp_path))
+    before = snapshot(tmp_path)
+    result = _invoke(
+        "--out-dir", str(tmp_path), "--resume", "--set", "model.n_heads=4", "--steps", "30"
+    )
+    assert result.exit_code == 2, result.output
+    (line,) = _lines(result)
+    assert "changes the model or data settings" in line
+    assert "model.n_heads 2 -> 4" in line and "--allow-config-change" in line
+    assert snapshot(tmp_path) == before
+
+
+def test_an_intended_config_change_is_accepted_with_a_warning(tmp_path):
+    """--allow-config-change lets the resume through and names the changes; the schedule and
+    the layout may change without it."""
+    _finished_run(tmp_path, _cfg(tmp_path))
+    changed = _cfg(tmp_path, "data.seq_len=16", "steps=40", "optim.muon_lr=0.01")
+    with pytest.raises(ValueError, match=r"data.seq_len 32 -> 16; restore them"):
+        job.check(changed, resume=True)
+    assert job.check(changed, resume=True, allow_config_change=True) == [
+        "--resume with changed model or data settings (--allow-config-change): "
+        "data.seq_len 32 -> 16"
+    ]
+    assert job.check(_cfg(tmp_path, "steps=40", "parallel.mesh='2x2'"), resume=True) == []
+
+
+def test_warm_up_longer_than_the_run_is_a_warning_line(tmp_path, earlier_run):
+    """A learning rate that never reaches its setting is named in one warning line (here before
+    the occupied out-dir is refused, so that no rank starts)."""
+    earlier_run(tmp_path)
+    result = _invoke("--out-dir", str(tmp_path), "--set", "optim.warmup_steps=1000")
+    warning, error = _lines(result)
+    assert warning == (
+        "warning: optim.warmup_steps=1000 is above steps=20: the learning rates rise to 2% of "
+        "their settings at the last step and never decay; lower optim.warmup_steps"
+    )
+    assert error.startswith("error: --out-dir")
+
+
+@pytest.mark.distributed
+def test_overwrite_keeps_a_users_folder_the_run_also_names(tmp_path):
+    """The issue's case: an out-dir holding the user's ``profile/me.txt`` is no earlier run and,
+    with --overwrite as well, the run trains and the user's file is still there."""
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "me.txt").write_text("mine")
+    result = _invoke("--out-dir", str(tmp_path), "--overwrite", "--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "profile" / "me.txt").read_text() == "mine"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000002"
+
+
 # ---- faults during a run (real gloo ranks) ------------------------------------------------------
 
 
@@ -205,9 +317,10 @@ def test_killed_rank_stops_the_run_and_resume_uses_last_checkpoint(tmp_path):
 
 
 @pytest.mark.distributed
-def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
-    """A truncated shard in the newest checkpoint: resume warns, starts from the one before and
-    then reproduces the uninterrupted run's losses exactly."""
+def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, capfd):
+    """A truncated shard in the newest checkpoint: the CLI's resume names it in one warning
+    line (not a Python warning from a rank), starts from the one before and then reproduces
+    the uninterrupted run's losses exactly."""
     full = launch(
         train_rank, 2, _cfg(tmp_path / "full", "steps=12"), False, backend=None, timeout=300
     )
@@ -215,11 +328,18 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
     launch(train_rank, 2, part, False, backend=None, timeout=300)
     shard = next((tmp_path / "part" / "checkpoints" / "step_0000010").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    rest = launch(
-        train_rank, 2, _cfg(tmp_path / "part", "steps=12"), True, backend=None, timeout=300
+    capfd.readouterr()
+    result = _invoke("--out-dir", str(tmp_path / "part"), "--resume", "--steps", "12")
+    assert result.exit_code == 0, result.output
+    warning = next(line for line in _lines(result) if line.startswith("warning: resuming"))
+    assert warning.startswith(
+        "warning: resuming from step_0000005; skipped newer damaged checkpoints: step_0000010: "
     )
-    assert rest[0].first_step == 5
-    assert rest[0].train_losses == full[0].train_losses[5:]
+    assert "has 100 bytes" in warning
+    assert "RuntimeWarning" not in result.output + capfd.readouterr().err
+    metrics = json.loads((tmp_path / "part" / "metrics.json").read_text())["train"]
+    assert [r["step"] for r in metrics] == list(range(1, 13))
+    assert [r["loss"] for r in metrics[5:]] == full[0].train_losses[5:]
 
 
 @pytest.mark.distributed
@@ -259,58 +379,39 @@ def test_resume_with_a_changed_model_names_the_mismatch(tmp_path):
         launch(train_rank, 2, wider, True, backend=None, timeout=300)
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (Linux /proc), to count what a signal leaves behind."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.distributed
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="counts processes via /proc")
-def test_signal_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
-    """SIGTERM to a training CLI: exit 128 + signal, no rank or forkserver left running, and the
-    newest checkpoint written before the signal is intact. SIGHUP takes the same handler in
-    npu-core's launcher, which tests both signals on its own ranks (``test_launch.py``)."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
+def test_signal_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, process_tree, signame):
+    """SIGTERM or kill -9 of the training CLI once training is under way: no rank, forkserver
+    or resource tracker is left running (SIGTERM: exit 128 + signal; SIGKILL leaves the CLI no
+    cleanup, the ranks notice its death themselves), the run stops advancing, and the newest
+    checkpoint written before the signal is intact. SIGHUP takes SIGTERM's handler in
+    npu-core's launcher, which tests it on its own ranks (``test_launch.py``)."""
     command = [sys.executable, "-m", "hyperparallel.cli", "train", "--preset", "debug"]
-    command += ["--nproc", "2", "--steps", "2000", "--set", "checkpoint_every=2"]
+    command += ["--nproc", "2", "--steps", "2000", "--set", "checkpoint_every=1"]
     command += ["--out-dir", str(tmp_path)]
     parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
-        while not (tmp_path / "checkpoints" / "latest").exists():
+        while not (tmp_path / "checkpoints" / "latest").exists():  # the first step is done
             assert parent.poll() is None, f"train exited early with {parent.returncode}"
             assert time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.2)
-        processes = _descendants(parent.pid)
+        processes = process_tree.descendants(parent.pid)
         assert len(processes) >= 3  # forkserver and two ranks
-        signum = signal.SIGTERM
+        signum = getattr(signal, signame)
         parent.send_signal(signum)
-        assert parent.wait(timeout=30) == 128 + signum
+        expected = -signum if signum == signal.SIGKILL else 128 + signum
+        assert parent.wait(timeout=30) == expected
     finally:
         if parent.poll() is None:
             parent.kill()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
+    while any(process_tree.alive(pid) for pid in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in processes if _alive(pid)], "processes outlived the CLI"
+    assert not [pid for pid in processes if process_tree.alive(pid)], "processes outlived the CLI"
+    stopped_at = (tmp_path / "checkpoints" / "latest").read_text()
+    time.sleep(1.0)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == stopped_at
     newest = checkpoint.latest(tmp_path / "checkpoints")
     assert newest is not None and checkpoint.verify(newest) is None

@@ -197,6 +197,14 @@ def test_expert_parallel_resume_is_exact(tiny_moe: Path, ep_run, tmp_path: Path)
         (["--model", "{moe}", "--load-weights"], "holds no *.safetensors"),
         (["--model", "{moe}", "--set", "hf.overrides={{n_layers=1}}"], "n_layers not a field"),
         (["--model", "{moe}", "--tokenizer", "{tmp}/none"], "--tokenizer {tmp}/none: not a"),
+        (
+            ["--model", "{gqa}"],
+            "--model {gqa}: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+        ),
+        (
+            ["--model", "{dense}", "--set", "hf.overrides={{num_key_value_heads=3}}"],
+            "num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+        ),
     ],
 )
 def test_bad_model_settings_are_refused_in_one_line(
@@ -208,7 +216,10 @@ def test_bad_model_settings_are_refused_in_one_line(
     moe3, dense = tmp_path / "moe3", tmp_path / "dense"
     transformers.Qwen3MoeConfig(**tiny_hf_shape, **{**MOE, "num_experts": 3}).save_pretrained(moe3)
     transformers.Qwen3Config(**tiny_hf_shape).save_pretrained(dense)
+    gqa = tmp_path / "gqa"  # heads that do not group over the KV heads: an error in forward
+    transformers.Qwen3Config(**{**tiny_hf_shape, "num_key_value_heads": 3}).save_pretrained(gqa)
     names = {"tmp": tmp_path, "moe": tiny_moe, "gpt2": gpt2, "moe3": moe3, "dense": dense}
+    names["gqa"] = gqa
     out = tmp_path / "out"
     argv = ["train", "--preset", "debug", "--nproc", "2", "--out-dir", str(out)]
     argv += [a.format(**names) for a in args]

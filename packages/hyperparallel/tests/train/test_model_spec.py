@@ -144,3 +144,26 @@ def test_a_rank_builds_from_the_config_it_read_once(
     assert config_reads == [tiny_moe.parent]
     layers = {name.split(".layers.")[1].split(".")[0] for name in blocks}
     assert layers == {"0", "1"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model.n_layers=3", "model.n_experts=8", "model.top_k=2", "model.vocab_size=300"]],
+)
+def test_moe_parameter_count_matches_the_built_model(overrides):
+    """The count the memory check uses, computed from the settings alone, is the number of
+    parameters of the model a rank builds."""
+    spec = MoESpec(load_config(debug(), overrides=overrides))
+    count, settings = spec.parameter_count()
+    built = spec.build_module(torch.device("cpu"))
+    assert count == sum(p.numel() for p in built.parameters())
+    assert settings.startswith(f"the built-in MoE (model.dim={spec.cfg.model.dim},")
+
+
+def test_memory_check_counts_one_fp32_copy_per_rank():
+    """Refused when ranks x parameters x 4 bytes exceed the memory, naming all three."""
+    from hyperparallel.train.memory import check_host_memory
+
+    check_host_memory(1000, 4, "a model", available=16_000)
+    with pytest.raises(ValueError, match=r"a model has 1,000 parameters; 5 ranks each build it"):
+        check_host_memory(1000, 5, "a model", available=16_000)

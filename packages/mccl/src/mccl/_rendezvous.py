@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from urllib.parse import ParseResult, urlparse
 
 import torch.distributed as dist
@@ -183,7 +184,11 @@ def _arrival_key(rank: int) -> str:
 
 
 def await_arrivals(
-    store: Store, request: InitRequest, deadline: float, stop: threading.Event
+    store: Store,
+    request: InitRequest,
+    deadline: float,
+    stop: threading.Event,
+    on_missing: Callable[[list[int]], None] | None = None,
 ) -> None:
     """Return once every rank has announced itself in ``store``.
 
@@ -193,7 +198,8 @@ def await_arrivals(
     logs two warnings for every step that times out. The pause between checks grows with the
     time waited (:data:`_POLL_FRACTION` of it, from 0.5 ms to 50 ms), so the wait overshoots
     the last arrival by at most that fraction and a long wait costs a few requests a second.
-    The ranks still missing are listed again, one check each, every :data:`POLL_S`.
+    The ranks still missing are listed again, one check each, every :data:`POLL_S`, and handed
+    to ``on_missing`` (what a caller reports while it waits).
 
     Raises:
         InitTimeoutError: ``deadline`` passed with ranks missing, or the store closed (its host
@@ -211,6 +217,8 @@ def await_arrivals(
             if now >= deadline or stop.is_set() or now - listed_at >= POLL_S:
                 pending = [rank for rank in pending if not store.check([_arrival_key(rank)])]
                 listed, listed_at = True, now
+                if on_missing is not None:
+                    on_missing(pending)
         except (RuntimeError, dist.DistError) as exc:
             raise _store_lost_error(request, pending if listed else None) from exc
         if not pending:

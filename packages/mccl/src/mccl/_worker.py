@@ -91,6 +91,7 @@ class InitWorker:
         self._error_tb: TracebackType | None = None
         self._store: Store | None = None
         self._all_arrived = False
+        self._missing: list[int] | None = None  # ranks not yet arrived, once listed
         self._settled = threading.Event()  # the outcome (ready or failed) is known
         self._stop = threading.Event()  # asks the thread to leave its waits for peers
         self._lock = threading.Lock()
@@ -125,6 +126,22 @@ class InitWorker:
             if not self._settled.wait(max(limit, 0.0)):
                 self._settle(self._stall_error())
         self.raise_if_failed()
+
+    def _set_missing(self, ranks: list[int]) -> None:
+        self._missing = list(ranks)
+
+    def waiting_for(self) -> str | None:
+        """What the initialisation waits for now, in words; None once it has finished."""
+        if self.done():
+            return None
+        request, address = self.request, store_address(self.request)
+        if self._store is None:
+            return f"the rendezvous store at {address} (hosted by rank 0)"
+        if not self._all_arrived:
+            missing = self._missing
+            count = request.world_size - 1 if missing is None else len(missing)
+            return f"{count} more rank{'s' if count != 1 else ''} at {address}"
+        return f"{request.backend} process-group construction with every rank at {address}"
 
     def raise_if_failed(self) -> None:
         """Re-raise the recorded failure, with the traceback it was recorded with."""
@@ -172,7 +189,7 @@ class InitWorker:
         try:
             self._store = connect_store(request, self.deadline, self._stop)
             announce(self._store, request)
-            await_arrivals(self._store, request, self.deadline, self._stop)
+            await_arrivals(self._store, request, self.deadline, self._stop, self._set_missing)
             self._all_arrived = True
             self._construct()
             self._create_queued_groups()

@@ -54,6 +54,11 @@ class InitHandle:
             raise TimeoutError(f"process group not ready within {timeout:g} s (still initialising)")
         self._worker.raise_if_failed()
 
+    def waiting_for(self) -> str | None:
+        """What initialisation is waiting for, for a caller to report while it waits (e.g.
+        ``"1 more rank at 127.0.0.1:29500"``); None once finished, or for the blocking path."""
+        return None if self._worker is None else self._worker.waiting_for()
+
     def elapsed(self) -> float | None:
         """Seconds the background initialisation took, or None while it runs (or if sync)."""
         worker = self._worker

@@ -49,7 +49,13 @@ def _name(step: int) -> str:
 
 
 def save(root: Path, step: int, model: nn.Module, optimizers: tuple[Optimizer, ...]) -> Path:
-    """Write model and optimizer state for ``step`` under ``root``; collective over all ranks."""
+    """Write model and optimizer state for ``step`` under ``root``; collective over all ranks.
+
+    Raises:
+        OSError: a write failed (e.g. ENOSPC, on any rank: DCP tells every rank); the staging
+            folder is removed first, so a full disk leaves the earlier checkpoints as they were
+            and no half-written one.
+    """
     final = root / _name(step)
     staging = root / f".tmp-{_name(step)}"
     if dist.get_rank() == 0:
@@ -61,15 +67,34 @@ def save(root: Path, step: int, model: nn.Module, optimizers: tuple[Optimizer, .
         "optim": get_optimizer_state_dict(model, optimizers),
         "step": step,
     }
-    dcp.save(state, checkpoint_id=staging)
+    try:
+        dcp.save(state, checkpoint_id=staging)
+    except CheckpointException as exc:
+        # Every rank removes it (ignoring the others' deletions): the first rank to report its
+        # error makes the launcher stop the rest, which may not get to run this line.
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _rank_error(exc) from exc
     dist.barrier()
     if dist.get_rank() == 0:
-        _write_manifest(staging)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
+        try:
+            _write_manifest(staging)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging, final)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         write_text_atomic(root / LATEST, final.name)
     dist.barrier()
     return final
+
+
+def _rank_error(exc: CheckpointException) -> Exception:
+    """The first rank's own error inside DCP's wrapper, which is a BaseException whose text is
+    every rank's traceback; an OSError keeps its errno (ENOSPC) and file name."""
+    for error, _trace in exc.failures.values():
+        if isinstance(error, Exception):
+            return error
+    return RuntimeError(f"saving the checkpoint failed on ranks {sorted(exc.failures)}")
 
 
 def _write_manifest(folder: Path) -> None:

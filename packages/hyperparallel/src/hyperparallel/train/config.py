@@ -79,7 +79,10 @@ class ParallelConfig(_Strict):
         2, ge=1, description="Stages per rank for interleaved_1f1b (V schedules use 2)."
     )
     timeout_s: float = Field(
-        120.0, gt=0, description="Collective timeout: a dead peer fails the others after this."
+        120.0,
+        gt=0,
+        description="How long a rank waits for its peers before the run fails: at start-up "
+        "for every rank to arrive, then in each collective (a dead or stopped peer).",
     )
 
 
@@ -197,6 +200,22 @@ class TrainConfig(_Strict):
         # A transformers model's shape is in its config.json: its spec (train.hf_model) checks it.
         if self.hf.source is not None:
             return self
+        hf = self.hf
+        given = [
+            name
+            for name, value in (
+                ("--tokenizer", hf.tokenizer),
+                ("hf.overrides", hf.overrides or None),
+                ("--load-weights", hf.load_weights),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a "
+                "transformers model, and no --model (hf.source) is given; pass --model PATH or "
+                "drop it"
+            )
         if len(self.activation.per_block) > self.model.n_layers:
             raise ValueError(
                 f"activation.per_block lists {len(self.activation.per_block)} policies but "

@@ -3,7 +3,8 @@
 ``PATH`` is a local model folder (``config.json``, optionally weights and tokenizer files) or a
 ``config.json`` file. :class:`TransformersSpec` is its model spec: making one reads and checks it
 (:func:`resolve`: the architecture must have a parallelize plan in
-:mod:`hyperparallel.models.families`, ``data.seq_len`` must fit ``max_position_embeddings``),
+:mod:`hyperparallel.models.families`, ``data.seq_len`` must fit ``max_position_embeddings``, the
+attention heads must divide by the key/value heads),
 once before any rank starts and once in every rank; it then checks layouts, tokenizes the data
 and builds the model into the same
 :class:`~hyperparallel.train.parallel_model.ParallelModel` the built-in MoE gets, so the loop,
@@ -135,6 +136,7 @@ def resolve(cfg: TrainConfig) -> HFModel:
         )
     for key, value in hf.overrides.items():
         setattr(config, key, value)
+    _check_attention_heads(config, source)
     model = HFModel(folder, config, architecture, plan, load, _tokenizer(cfg, folder))
     if cfg.data.seq_len > model.max_seq_len:
         raise ValueError(
@@ -147,6 +149,21 @@ def resolve(cfg: TrainConfig) -> HFModel:
             f"{source} has num_hidden_layers={model.n_layers}; give at most one per block"
         )
     return model
+
+
+def _check_attention_heads(config: Any, source: Path) -> None:
+    """Grouped-query attention shares each key/value head among a whole group of query heads:
+    heads that do not divide by the KV heads fail in every rank's first forward otherwise."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if not (isinstance(heads, int) and isinstance(kv_heads, int)) or kv_heads <= 0:
+        return
+    if heads % kv_heads:
+        raise ValueError(
+            f"--model {source}: num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={kv_heads} (each key/value head serves a whole group of query "
+            "heads); fix config.json or hf.overrides"
+        )
 
 
 def _causal_lm_class(config: Any, source: Path) -> str:

@@ -2,21 +2,25 @@
 
 ``hyperparallel train`` is this plus printing; other tools (``modelzoo train``) call
 :func:`run_job` directly instead of spawning the CLI. Everything a user can get wrong (mesh,
-data, ``--model``, output folder, resume) is refused by :func:`check` in one ``ValueError`` /
-``FileNotFoundError`` line before any rank or process group exists.
+data, ``--model``, a model too large for the machine, output folder, resume) is refused by
+:func:`check` and :func:`prepare` in one ``ValueError`` / ``FileNotFoundError`` line before
+anything is written and before any rank or process group exists.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from hyperparallel import env
 from hyperparallel.parallel.mesh import parse_mesh
-from hyperparallel.train.checkpoint import has_checkpoints
+from hyperparallel.train.checkpoint import has_checkpoints, latest
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.outdir import prepare_out_dir
+from hyperparallel.train.config_change import check_resume_config
+from hyperparallel.train.memory import check_host_memory
+from hyperparallel.train.outdir import prepare_out_dir, run_artefacts
 from hyperparallel.train.registry import model_spec
 from hyperparallel.train.trainer import TrainResult
 from npu_core.dist import is_torchrun, run
@@ -24,27 +28,75 @@ from npu_core.dist import is_torchrun, run
 Warn = Callable[[str], None]
 
 
-def check(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> list[str]:
-    """Everything that can be checked without ranks; returns warnings (skipped binary files).
+def check(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
+) -> list[str]:
+    """Everything that can be checked without ranks; returns warnings (skipped binary files, a
+    warm-up longer than the run, a resume whose settings cannot be compared).
+
+    Args:
+        allow_config_change: with ``resume``, accept model or data settings that differ from
+            the run's (refused otherwise).
 
     Raises:
         ValueError, FileNotFoundError: one line naming the setting and what is allowed.
+        hyperparallel.train.checkpoint.CheckpointError: ``resume`` and no checkpoint loads.
     """
     spec = model_spec(cfg)
-    if not is_torchrun():  # under torchrun the world size is known only to the ranks
+    torchrun = is_torchrun()
+    if not torchrun:  # under torchrun the world size is known only to the ranks
         spec.check_layout(parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc))
+    counted = spec.parameter_count()
+    if counted is not None:  # under torchrun this process is the one rank it can see
+        parameters, model = counted
+        check_host_memory(parameters, 1 if torchrun else cfg.parallel.nproc, model)
+    if allow_config_change and not resume:
+        raise ValueError("--allow-config-change applies only with --resume")
     # The corpus is read (and tokenized) once here: a missing, empty, binary or too-small source
     # is refused before ranks start instead of in every rank after start-up.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         spec.batches()
-    out = Path(cfg.out_dir)
-    if resume and not overwrite and not has_checkpoints(out / "checkpoints"):
-        raise ValueError(
-            f"--resume: no checkpoint under {out / 'checkpoints'}; run without --resume "
-            "to start a new run"
+    messages = [str(w.message) for w in caught]
+    if resume and not overwrite:
+        messages += _check_resume(cfg, allow_config_change)
+    warmup = cfg.optim.warmup_steps
+    if warmup > cfg.steps:
+        messages.append(
+            f"optim.warmup_steps={warmup} is above steps={cfg.steps}: the learning rates rise "
+            f"to {cfg.steps / warmup:.0%} of their settings at the last step and never decay; "
+            "lower optim.warmup_steps"
         )
-    return [str(w.message) for w in caught]
+    return messages
+
+
+def _check_resume(cfg: TrainConfig, allow_config_change: bool) -> list[str]:
+    """A checkpoint that loads, and the run's model and data settings unchanged; the warnings
+    (damaged newer checkpoints skipped, accepted changes).
+
+    The checkpoints are verified here and again by rank 0 when it loads one (reading them
+    twice on resume), so that a folder with none that loads is refused before anything is
+    written, and the skipped ones are named once, by the CLI.
+
+    Raises:
+        ValueError: no checkpoint at all, or changed settings without ``allow_config_change``.
+        hyperparallel.train.checkpoint.CheckpointError: none of the checkpoints loads.
+    """
+    root = Path(cfg.out_dir) / "checkpoints"
+    if not has_checkpoints(root):
+        raise ValueError(
+            f"--resume: no checkpoint under {root}; run without --resume to start a new run"
+        )
+    with warnings.catch_warnings(record=True) as skipped:
+        warnings.simplefilter("always", RuntimeWarning)
+        latest(root)
+    messages = [str(w.message) for w in skipped]
+    changed = check_resume_config(cfg, allow_change=allow_config_change)
+    return [*messages, changed] if changed else messages
 
 
 def run_job(
@@ -52,6 +104,7 @@ def run_job(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    allow_config_change: bool = False,
     progress: bool = True,
     warn: Warn | None = None,
 ) -> list[TrainResult]:
@@ -61,33 +114,52 @@ def run_job(
     Args:
         resume: continue from the newest intact checkpoint in ``out_dir``.
         overwrite: replace an earlier run in ``out_dir`` (refused without it or ``resume``).
+        allow_config_change: with ``resume``, accept changed model or data settings.
         progress: rank 0 draws a progress bar on stderr.
         warn: receives each warning of :func:`check` (rank 0 only).
 
     Raises:
         ValueError, FileNotFoundError: refused input, before any rank starts.
-        hyperparallel.train.checkpoint.CheckpointError: no usable checkpoint to resume from.
+        hyperparallel.train.checkpoint.CheckpointError: no usable checkpoint to resume from
+            (before ranks start), or the one found does not fit the model (in the ranks).
     """
-    prepare(cfg, resume=resume, overwrite=overwrite, warn=warn)
+    prepare(
+        cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change, warn=warn
+    )
     return start(cfg, resume=resume, progress=progress)
 
 
 def prepare(
-    cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, warn: Warn | None = None
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
+    warn: Warn | None = None,
 ) -> None:
-    """:func:`check`, then make ``out_dir`` ready (refusing to mix with an earlier run)."""
-    for message in check(cfg, resume=resume, overwrite=overwrite):
+    """:func:`check`, then make ``out_dir`` ready (refusing to mix with an earlier run or with
+    files the run did not create); nothing is written until every check has passed."""
+    messages = check(
+        cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change
+    )
+    for message in messages:
         if warn is not None and env.is_rank_zero():
             warn(message)
+    artefacts = run_artefacts(cfg)
     prepare_out_dir(
-        Path(cfg.out_dir), resume=resume, overwrite=overwrite, remove=env.is_rank_zero()
+        Path(cfg.out_dir), artefacts, resume=resume, overwrite=overwrite, owner=env.is_rank_zero()
     )
 
 
 def start(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> list[TrainResult]:
-    """Train on the ranks (after :func:`prepare`); every rank's result, rank 0 first."""
+    """Train on the ranks (after :func:`prepare`); every rank's result, rank 0 first.
+
+    The launch itself has no time limit (a long run takes as long as it takes): a rank that
+    dies is noticed by the launcher at once, and one that stops or hangs by its peers'
+    collective timeout (``parallel.timeout_s``), which ends the run naming it.
+    """
     results: list[TrainResult] = run(
-        rank_main, cfg.parallel.nproc, cfg, resume, progress, timeout=24 * 3600, backend=None
+        rank_main, cfg.parallel.nproc, cfg, resume, progress, timeout=math.inf, backend=None
     )
     return results
 

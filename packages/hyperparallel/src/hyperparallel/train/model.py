@@ -32,9 +32,36 @@ class MoESpec(ModelSpec):
             check_divisible(self.cfg.model.n_experts, dims.ep, dims.dp_shard, "model.n_experts")
 
     def batches(self) -> ByteBatches:
-        data = self.cfg.data
+        """The bytes of ``data.path`` as token ids.
+
+        Raises:
+            ValueError, FileNotFoundError: as :func:`read_corpus`; also a ``model.vocab_size``
+                without an embedding row for every byte value in the data (an IndexError in
+                the first forward of every rank otherwise).
+        """
+        data, vocab = self.cfg.data, self.cfg.model.vocab_size
         corpus = read_corpus(data.path, data.max_bytes)
-        return ByteBatches(corpus, data.seq_len, data.val_fraction, self.cfg.seed)
+        batches = ByteBatches(corpus, data.seq_len, data.val_fraction, self.cfg.seed)
+        largest = int(max(batches.train.max(), batches.val.max()))
+        if largest >= vocab:
+            raise ValueError(
+                f"model.vocab_size={vocab} is below the byte vocabulary: the data holds byte "
+                f"value {largest}; use model.vocab_size=256 (every byte value)"
+            )
+        return batches
+
+    def parameter_count(self) -> tuple[int, str]:
+        """Embedding and head ``V x D``; per block two norms, q/k/v/output ``4 D^2``, the router
+        ``D x E`` and the experts ``3 E x D x F``; the final norm."""
+        m = self.cfg.model
+        block = 2 * m.dim + 4 * m.dim**2 + m.dim * m.n_experts + 3 * m.n_experts * m.dim * m.ffn_dim
+        count = 2 * m.vocab_size * m.dim + m.n_layers * block + m.dim
+        settings = (
+            f"the built-in MoE (model.dim={m.dim}, model.n_layers={m.n_layers}, "
+            f"model.n_experts={m.n_experts}, model.ffn_dim={m.ffn_dim}, "
+            f"model.vocab_size={m.vocab_size})"
+        )
+        return count, settings
 
     def build_module(self, device: torch.device) -> nn.Module:
         """The whole model from ``cfg.seed``, so every layout starts from the same weights."""

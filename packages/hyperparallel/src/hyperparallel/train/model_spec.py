@@ -86,6 +86,13 @@ class ModelSpec(ABC):
     def losses(self, module: nn.Module) -> Losses:
         """The loss of the whole model built by :meth:`build_module`."""
 
+    def parameter_count(self) -> tuple[int, str] | None:
+        """``(parameters, the model and its size settings, for a message)`` without building
+        the model, for the memory check before ranks start; None where counting costs more
+        than the check saves (the default: a model would have to be built, which takes seconds
+        even on the meta device)."""
+        return None
+
     def classify(self, module: nn.Module) -> Classifier | None:
         """The optimizer's Muon / AdamW routing for ``module``; None: its default by shape."""
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -32,6 +33,9 @@ from hyperparallel.train.registry import model_spec
 from npu_core.device import comm_backend, detect_backend, device_for_rank, device_module
 
 StepCallback = Callable[[dict[str, float]], None]
+
+WAIT_NOTICE_S = 3.0
+"""How long rank 0 waits quietly for the other ranks at start-up before saying it waits."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,13 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     one already, so a caller can run several trainings in one set of ranks.
     """
     backend = detect_backend()
+    timeout_s = cfg.parallel.timeout_s
+    handle = None
     if not mccl.is_ready():
-        mccl.init_process_group(
+        handle = mccl.init_process_group(
             comm_backend(backend).value,
-            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            init_timeout=timeout_s,
         )
     device = device_for_rank(env.local_rank(), backend)
     module = device_module(backend)
@@ -94,6 +101,8 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     with warnings.catch_warnings():  # skipped binary files: the CLI reported them once
         warnings.simplefilter("ignore", RuntimeWarning)
         data = spec.batches()
+    if handle is not None and env.is_rank_zero():
+        _say_what_start_up_waits_for(handle, timeout_s)
     world = dist.get_world_size()  # waits for mccl here
     dims = parse_mesh(cfg.parallel.mesh, world)
     batch = spec.check_layout(dims)
@@ -179,12 +188,30 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     )
 
 
+def _say_what_start_up_waits_for(handle: mccl.InitHandle, timeout_s: float) -> None:
+    """One line on stderr when the other ranks have not all arrived :data:`WAIT_NOTICE_S` after
+    this one is ready (under torchrun, a rank that was never started), instead of silence until
+    the timeout; a start-up failure is left to the first use of the group, which raises it."""
+    try:
+        handle.wait(WAIT_NOTICE_S)
+    except TimeoutError:
+        waiting_for = handle.waiting_for()
+        if waiting_for is not None:
+            print(f"waiting for {waiting_for} (timeout {timeout_s:g} s)", file=sys.stderr)
+
+
 def _resume(root: Path, model: torch.nn.Module, optimizers: tuple, steps: int) -> int:
-    """Load the newest intact checkpoint (chosen by rank 0, so every rank loads the same one)."""
+    """Load the newest intact checkpoint (chosen by rank 0, so every rank loads the same one).
+
+    Damaged newer checkpoints are skipped quietly: the job named them before ranks started
+    (:func:`hyperparallel.train.job.check`), as ``warning:`` lines of the CLI.
+    """
     choice: list[Path | str | None] = [None]
     if dist.get_rank() == 0:
         try:
-            choice[0] = checkpoint.latest(root)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                choice[0] = checkpoint.latest(root)
         except checkpoint.CheckpointError as exc:
             choice[0] = str(exc)
     dist.broadcast_object_list(choice, src=0)
