@@ -188,7 +188,17 @@ def test_expert_parallel_resume_is_exact(tiny_moe: Path, ep_run, tmp_path: Path)
             ["--model", "{moe}", "--set", "data.seq_len=65"],
             "data.seq_len=65 exceeds max_position_embeddings=64",
         ),
-        (["--model", "{moe}", "--mesh", "pp=2"], "pp=2 is not supported with --model"),
+        (
+            [
+                "--model",
+                "{moe}",
+                "--mesh",
+                "pp=2",
+                "--set",
+                "hf.overrides={{tie_word_embeddings=true}}",
+            ],
+            "pp=2 with --model: Qwen3MoeForCausalLM ties its embedding to the output head",
+        ),
         (
             ["--model", "{moe3}", "--mesh", "ep=2"],
             "--model num_local_experts=3 must be divisible by ep x dp_shard = 2 x 1",
@@ -235,5 +245,5 @@ def test_help_explains_model():
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     text = " ".join(result.output.split())
-    assert "--model" in text and "config.json" in text and "pp meshes are refused" in text
+    assert "--model" in text and "config.json" in text and "--mesh pp=2,ep=2" in text
     assert "--mesh ep=2,dp_shard=2" in text

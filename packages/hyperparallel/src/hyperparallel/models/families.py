@@ -60,6 +60,11 @@ class FamilyPlan:
         layers: attribute path from the model to the ``nn.ModuleList`` of decoder blocks.
         router: regex (searched in parameter names) of router/gate weights, AdamW even if 2-D.
         experts: regex of stacked expert weights ``[E, ...]``: Muon, one matrix per expert.
+        pipelined: the architectures (of ``architectures``) cut into pipeline stages under
+            ``pp``: decoders whose forward is the token embedding, blocks that take one rotary
+            embedding and a full or sliding-window causal mask, then the final norm, with the
+            embedding, rotary embedding and norm beside the blocks (``embed_tokens``,
+            ``rotary_emb``, ``norm``); see :mod:`hyperparallel.parallel.hf_pipeline`.
     """
 
     name: str
@@ -68,6 +73,7 @@ class FamilyPlan:
     layers: str = "model.layers"
     router: str | None = None
     experts: str | None = None
+    pipelined: tuple[str, ...] = ()
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         """The decoder blocks, in order."""
@@ -194,6 +200,12 @@ register(
             "Gemma3ForCausalLM",
         ),
         "dense",
+        pipelined=(
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+        ),
     )
 )
 register(
@@ -209,6 +221,12 @@ register(
         "moe",
         router=_ROUTER,
         experts=_EXPERTS,
+        pipelined=(
+            "Qwen3MoeForCausalLM",
+            "Glm4MoeForCausalLM",
+            "MiniMaxM2ForCausalLM",
+            "GptOssForCausalLM",
+        ),
     )
 )
 register(
@@ -218,5 +236,6 @@ register(
         "mla+moe",
         router=_ROUTER,
         experts=_EXPERTS,
+        pipelined=("DeepseekV3ForCausalLM",),
     )
 )

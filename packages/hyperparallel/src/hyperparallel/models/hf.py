@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,16 @@ class CausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         """The decoder blocks (not registered twice: they stay under ``model.``)."""
         return self.plan.blocks(self.model)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack that holds the blocks (embeddings, rotary embedding, final norm)."""
+        return self.model.get_submodule(self.plan.layers.rpartition(".")[0])
+
+    @property
+    def balance(self) -> Callable[[tuple[Tensor, ...]], Tensor] | None:
+        """The family's load-balancing loss over a tuple of router logits, or None."""
+        return self._balance
 
     def routing(self) -> Routing:
         """The family's Muon / AdamW / expert routing, named as this wrapper names them."""

@@ -1,11 +1,17 @@
-"""Pipeline parallelism for the MoE transformer with ``torch.distributed.pipelining``.
+"""Pipeline parallelism with ``torch.distributed.pipelining``: the schedules, and the built-in MoE's
+stages.
+
+:func:`build_stages` is the model-independent part: which stages a rank holds under each
+schedule, sharding each stage, and the schedule over the pp mesh. The built-in MoE's stages
+(:class:`StageModule`, :func:`build_pipeline`) are described below; a transformers decoder's are
+in :mod:`hyperparallel.parallel.hf_pipeline`.
 
 Every rank builds the whole model from the same seed (so each layout starts from the FSDP run's
 weights), then keeps its stages: contiguous runs of blocks, the embedding on the first stage, the
 final norm and head on the last. Stage modules keep the model's parameter names
 (``layers.3.attn.qkv.weight``), so DCP checkpoints reshard between pipeline and non-pipeline
 layouts. The MoE balance loss never leaves its stage: each block attaches its weighted balance
-term to the hidden state's gradient (the identity forward of :class:`_AttachAux`), as Megatron
+term to the hidden state's gradient (the identity forward of :class:`AttachAux`), as Megatron
 does for auxiliary losses.
 
 Schedules (``--pp-schedule``): ``1f1b`` (one stage per rank), ``interleaved_1f1b`` (``v`` stages
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -79,9 +85,10 @@ def split_layers(n_layers: int, n_stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
 
 
-class _AttachAux(torch.autograd.Function):
+class AttachAux(torch.autograd.Function):
     """Forward returns ``x``; backward also sends gradient 1 into ``aux`` (a scalar loss term),
-    so a stage's balance loss is trained without passing it through the pipeline."""
+    so a stage's balance loss is trained without passing it through the pipeline (the built-in
+    MoE's stages and the transformers stages of :mod:`hyperparallel.parallel.hf_pipeline`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
@@ -124,7 +131,7 @@ class StageModule(nn.Module):
         for layer in self.layers.values():
             x, balance = layer(x, cos, sin)
             if self.balance_scale and torch.is_grad_enabled():
-                x = _AttachAux.apply(x, balance * self.balance_scale)
+                x = AttachAux.apply(x, balance * self.balance_scale)
         if self.norm is not None and self.lm_head is not None:  # both on the last stage only
             x = self.lm_head(self.norm(x))
         return x
@@ -162,8 +169,8 @@ class Pipeline:
     """This rank's part of the pipeline: its stage modules, a view with the model's names, the
     schedule, and whether it feeds tokens (first stage) and computes the loss (last stage)."""
 
-    stages: list[StageModule]
-    view: StagesView
+    stages: list[nn.Module]
+    view: nn.Module
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
     has_first: bool
     has_last: bool
@@ -242,11 +249,56 @@ def build_pipeline(
     pp_mesh: DeviceMesh,
     device: torch.device,
     balance_weight: float,
-    shard: Callable[[StageModule], None],
+    shard: Callable[[nn.Module], None],
     early_recompute: bool = False,
 ) -> Pipeline:
-    """Cut ``model`` into this rank's stages, shard each (``shard``: FSDP / EP per stage), and
-    build the ``torch.distributed.pipelining`` schedule over ``pp_mesh``. ``early_recompute``
+    """Cut the built-in MoE into this rank's stages (:class:`StageModule`) and pipeline them
+    (:func:`build_stages`)."""
+    scale = balance_weight / len(model.layers)
+
+    def make_stage(layers: range, first: bool, last: bool) -> nn.Module:
+        return StageModule(model, layers, first, last, scale)
+
+    return build_stages(
+        make_stage,
+        lambda modules: StagesView(cast(list[StageModule], modules)),
+        n_layers=len(model.layers),
+        hidden_dim=model.embed.weight.shape[-1],
+        dtype=model.embed.weight.dtype,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        pp_mesh=pp_mesh,
+        device=device,
+        shard=shard,
+        early_recompute=early_recompute,
+    )
+
+
+MakeStage = Callable[[range, bool, bool], nn.Module]
+"""``(blocks, first, last) -> stage module``: blocks ``[a, b)`` of the model, the embedding when
+``first`` and the final norm and head when ``last``; tokens or hidden in, hidden or logits out."""
+
+
+def build_stages(
+    make_stage: MakeStage,
+    make_view: Callable[[list[nn.Module]], nn.Module],
+    *,
+    n_layers: int,
+    hidden_dim: int,
+    dtype: torch.dtype,
+    schedule: str,
+    microbatches: int,
+    virtual_stages: int,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    shard: Callable[[nn.Module], None],
+    early_recompute: bool = False,
+) -> Pipeline:
+    """Make this rank's stages (``make_stage`` over :func:`split_layers`), shard each
+    (``shard``: FSDP / EP per stage), and build the ``torch.distributed.pipelining`` schedule over
+    ``pp_mesh``. ``make_view`` gathers the stages under the full model's parameter names;
+    ``hidden_dim`` and ``dtype`` describe what flows between stages. ``early_recompute``
     (1f1b, dualpipev) uses hyperparallel.activation's schedules that replay a micro-batch's
     checkpointed blocks ahead of its backward."""
     from torch.distributed import pipelining
@@ -255,11 +307,11 @@ def build_pipeline(
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     per_rank = stages_per_rank(schedule, virtual_stages)
     n_stages = pp * per_rank
-    ranges = split_layers(len(model.layers), n_stages)
-    scale = balance_weight / len(model.layers)
+    ranges = split_layers(n_layers, n_stages)
+    held = stage_ids(schedule, pp, pp_rank, per_rank)
     modules, stages = [], []
-    for index in stage_ids(schedule, pp, pp_rank, per_rank):
-        module = StageModule(model, ranges[index], index == 0, index == n_stages - 1, scale)
+    for index in held:
+        module = make_stage(ranges[index], index == 0, index == n_stages - 1)
         shard(module)
         modules.append(module)
         # V schedules split each backward into input (I) and weight (W) actions; the split
@@ -286,15 +338,15 @@ def build_pipeline(
         runner = cls(stages, microbatches, loss_fn=lm_loss)
     return Pipeline(
         modules,
-        StagesView(modules),
+        make_view(modules),
         runner,
-        has_first=any(m.embed is not None for m in modules),
-        has_last=any(m.lm_head is not None for m in modules),
+        has_first=0 in held,
+        has_last=n_stages - 1 in held,
         schedule_name=schedule,
-        stage_ids=stage_ids(schedule, pp, pp_rank, per_rank),
+        stage_ids=held,
         n_stages=n_stages,
         group=pp_mesh.get_group(),
-        hidden_dim=model.embed.weight.shape[-1],
-        dtype=model.embed.weight.dtype,
+        hidden_dim=hidden_dim,
+        dtype=dtype,
         device=device,
     )

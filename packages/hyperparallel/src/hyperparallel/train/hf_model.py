@@ -13,9 +13,11 @@ metrics, plot and DCP checkpoints are shared.
 Layouts: ``dp_replicate x dp_shard`` (FSDP2 / HSDP, one unit per decoder block), and for MoE
 families ``ep`` as well: the routed experts are placed on the expert mesh and their tokens moved
 by all-to-all (:mod:`hyperparallel.parallel.hf_expert`, generic over the families' shared experts
-contract), the rest sharded by FSDP2 over ``ep x dp_shard``. ``pp`` is refused: pipeline stages
-are cut from the built-in MoE's module structure, and a transformers model's forward (masks,
-rotary embeddings, router outputs threaded through the decoder) is not split into stages here.
+contract), the rest sharded by FSDP2 over ``ep x dp_shard``. Under ``pp`` the architectures a
+family lists as ``pipelined`` are cut into pipeline stages (embeddings | blocks | final norm and
+head, :mod:`hyperparallel.parallel.hf_pipeline`) under every schedule the built-in MoE has, each
+stage sharded as the whole model is (experts placed, then FSDP2 per block); other architectures
+are refused under ``pp`` naming the ones that are supported.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from hyperparallel.models.families import FamilyPlan, UnknownArchitectureError, 
 from hyperparallel.models.hf import CausalLM, build_causal_lm
 from hyperparallel.optim.hybrid import Classifier
 from hyperparallel.parallel.expert import check_divisible
-from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel
+from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel, expert_modules
+from hyperparallel.parallel.hf_pipeline import build_decoder_pipeline, pipeline_refusal
 from hyperparallel.parallel.mesh import MeshSet, ParallelDims
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.model_spec import Losses, ModelSpec
+from hyperparallel.train.parallel_model import ParallelModel
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """Files whose presence makes ``hf.load_weights`` default to True."""
@@ -229,15 +233,13 @@ class TransformersSpec(ModelSpec):
         return self.model.n_layers
 
     def check_model_layout(self, dims: ParallelDims) -> None:
-        """pp is refused; ep needs a MoE family whose expert count divides by ``ep x dp_shard``
-        (see the module docstring)."""
+        """pp needs an architecture its family cuts into stages; ep needs a MoE family whose
+        expert count divides by ``ep x dp_shard`` (see the module docstring)."""
         model = self.model
         if dims.pp > 1:
-            raise ValueError(
-                f"--mesh {dims.spec()}: pp={dims.pp} is not supported with --model (a "
-                "transformers model trains on dp_replicate x ep x dp_shard: FSDP2, HSDP, and ep "
-                "for MoE families, e.g. --mesh fsdp, --mesh 2x2 or --mesh ep=2,dp_shard=2)"
-            )
+            refusal = pipeline_refusal(model.architecture, model.config, model.plan.pipelined)
+            if refusal is not None:
+                raise ValueError(f"--mesh {dims.spec()}: pp={dims.pp} with --model: {refusal}")
         if dims.ep > 1:
             if model.plan.experts is None:
                 raise ValueError(
@@ -268,7 +270,35 @@ class TransformersSpec(ModelSpec):
         return net.to(device).train()
 
     def place_experts(self, module: nn.Module, meshes: MeshSet) -> list[nn.Parameter]:
-        return apply_hf_expert_parallel(_causal_lm(module).model, self.model.plan, meshes)
+        """The experts of the whole CausalLM, or of one pipeline stage's blocks (none on a stage
+        of dense blocks only, e.g. DeepSeek-V3's first ``first_k_dense_replace`` blocks)."""
+        if not isinstance(module, CausalLM):
+            if not expert_modules(module, self.model.plan):
+                return []
+            return apply_hf_expert_parallel(module, self.model.plan, meshes)
+        return apply_hf_expert_parallel(module.model, self.model.plan, meshes)
+
+    def parallelize(
+        self, module: nn.Module, meshes: MeshSet, device: torch.device
+    ) -> ParallelModel:
+        """Without pp, shard the whole model; with pp, keep this rank's decoder stages and shard
+        each (experts placed, FSDP2 per block), under the configured schedule."""
+        if meshes.pp is None:
+            return super().parallelize(module, meshes, device)
+        lm, par = _causal_lm(module), self.cfg.parallel
+        weight = self.cfg.optim.balance_weight
+        pipeline = build_decoder_pipeline(
+            lm,
+            schedule=par.pp_schedule,
+            microbatches=par.microbatches,
+            virtual_stages=par.virtual_stages,
+            pp_mesh=meshes.pp,
+            device=device,
+            balance_weight=weight,
+            shard=lambda stage: self.shard(stage, meshes),
+            early_recompute=par.pp_early_recompute,
+        )
+        return ParallelModel(pipeline.view, meshes, None, pipeline, weight, classify=lm.classify)
 
     def losses(self, module: nn.Module) -> Losses:
         """The CausalLM itself: ``(tokens, targets) -> (loss, the family's balance loss)``."""
