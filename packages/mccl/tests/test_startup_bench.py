@@ -70,7 +70,11 @@ def test_results_table_writes_json_and_markdown(tmp_path):
         (["--device-init", "gpu"], "device_init: Input should be 'sleep' or 'compute' (got 'gpu')"),
         (["--rounds", "0"], "rounds: Input should be greater than or equal to 1 (got 0)"),
         (["--set", "rounds=true"], "rounds: a boolean is not a number (got True)"),
-        (["--set", "round=3"], "round: Extra inputs are not permitted (got 3)"),
+        (
+            ["--set", "round=3"],
+            "round: Extra inputs are not permitted (got 3), choose one of ranks, rounds, "
+            "calibration_rounds, device_init, device_init_ms, backend",
+        ),
     ],
 )
 def test_cli_rejects_bad_options_naming_them(args, message):

@@ -52,6 +52,22 @@ def test_bad_values_name_the_key_and_value(override: str, message: str):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "fields"),
+    [
+        ("nope=1", ["data", "steps", "mode", "tags"]),
+        ("data.seq=1", ["seq_len", "fraction", "path"]),
+    ],
+)
+def test_an_unknown_key_lists_the_fields_of_its_section(override: str, fields: list[str]):
+    """The list is the section's own fields, read from the model here, not from the message."""
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as err:
+        Run.load(overrides=[override])
+    listed = str(err.value).partition(f"{key}: ")[2].partition("choose one of ")[2]
+    assert listed.split(", ") == fields
+
+
 def test_direct_construction_refuses_bool_numbers_too():
     with pytest.raises(ValueError, match="boolean is not a number"):
         Data(seq_len=True)

@@ -80,7 +80,7 @@ class StrictConfig(BaseModel):
         try:
             return cls.model_validate(tree)
         except ValidationError as exc:
-            raise ConfigError(f"invalid configuration: {describe_errors(exc)}") from None
+            raise ConfigError(f"invalid configuration: {describe_errors(exc, cls)}") from None
 
 
 def layer_tree(
@@ -103,17 +103,37 @@ def layer_tree(
     return tree
 
 
-def describe_errors(exc: ValidationError) -> str:
-    """``key.path: message (got value)`` for each error, joined by ``; ``."""
+def describe_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """``key.path: message (got value)`` for each error, joined by ``; ``.
+
+    Given the validated ``model``, an unknown key also lists the settings its section does
+    have (``choose one of ...``): a misspelt key is then fixed from the error line alone,
+    without a trip to ``--help``.
+    """
     parts = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         got = error.get("input")
         shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
+        if error["type"] == "extra_forbidden" and model is not None:
+            fields = _section_fields(model, error["loc"][:-1])
+            if fields:
+                shown += f", choose one of {', '.join(fields)}"
         # a check across fields (a model validator) has no location; its message names them
         parts.append(f"{where}: {message}{shown}" if where else message)
     return "; ".join(parts)
+
+
+def _section_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The field names of the section of ``model`` at ``loc`` (empty when it is no section)."""
+    section: Any = model
+    for part in loc:
+        field = section.model_fields.get(part) if isinstance(part, str) else None
+        section = None if field is None else field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return []
+    return list(section.model_fields)
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
