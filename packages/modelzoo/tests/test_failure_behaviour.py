@@ -202,7 +202,7 @@ def test_convert_refuses_out_below_a_file(files):
     _refused(
         ["convert", SAFETENSORS_CARD, "--tiny", "--out", str(out)],
         files,
-        f"'{files / 'notes.txt'}' is a file, not a folder",
+        f"--out {out} cannot be created: {files / 'notes.txt'} is a file",
     )
 
 
@@ -212,7 +212,7 @@ def test_convert_refuses_unwritable_out(files):
     _refused(
         ["convert", SAFETENSORS_CARD, "--tiny", "--out", "/proc/modelzoo-out"],
         files,
-        "--out '/proc/modelzoo-out' cannot be written: creating a file in '/proc' failed",
+        "--out /proc/modelzoo-out is not writable (creating a file in /proc failed",
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.data.tokens import encode, load_text
 from hyperparallel.train.trainer import train_rank
 from npu_core.dist import launch
+from npu_core.run_record import RunRecord
 from torchmind_modelzoo import registry
 from torchmind_modelzoo.checks import InputError
 from torchmind_modelzoo.cli import app
@@ -114,7 +116,8 @@ def test_every_full_llm_card_trains_tiny_for_20_steps_on_2_ranks(tmp_path: Path)
 
 @pytest.mark.distributed
 def test_train_command_end_to_end(tmp_path: Path):
-    """The command end to end, given a setting of the train job's own data section."""
+    """The command end to end, given a setting of the train job's own data section; the
+    tiny model is recorded as the run's, and a second run into the folder is refused."""
     out = tmp_path / "run"
     args = ["train", "qwen3-30b-a3b-instruct-2507", "--tiny", "--steps", "4", "--out-dir"]
     small = ["--set", "data.max_bytes=200000", "--set", "data.seq_len=32"]
@@ -130,6 +133,10 @@ def test_train_command_end_to_end(tmp_path: Path):
     assert [r["loss"] for r in metrics["train"]] == summary["losses"]
     assert metrics["config"]["data"]["global_batch_size"] == 8
     assert (out / "loss.png").exists() and (out / "checkpoints" / "latest").exists()
+    assert "model" in RunRecord(out).recorded()  # --overwrite replaces it with the run
+    again = CliRunner().invoke(app, [*args, str(out), *small])
+    assert again.exit_code == 2 and "already holds a run" in again.stderr, again.output
+    assert json.loads((out / "metrics.json").read_text()) == metrics
 
 
 def test_only_full_llm_cards_train():
@@ -155,9 +162,13 @@ def test_cli_takes_the_train_jobs_sections_as_hyperparallel_does(monkeypatch, tm
     from hyperparallel.train.config import TrainConfig
 
     given: dict = {}
-    monkeypatch.setattr(
-        "torchmind_modelzoo.training.train", lambda card, options, **kw: given.update(o=options)
-    )
+
+    def prepare(card, options, **_):
+        given["o"] = options
+        return SimpleNamespace(out_dir=tmp_path / "run")
+
+    monkeypatch.setattr("torchmind_modelzoo.training.prepare", prepare)
+    monkeypatch.setattr("torchmind_modelzoo.training.start", lambda run, **_: {})
     toml = tmp_path / "run.toml"
     toml.write_text("[optim]\nadamw_lr = 0.001\n[data]\nseq_len = 48\n")
     items = [arg for item in JOB_ITEMS for arg in ("--set", item)]
@@ -182,7 +193,7 @@ def test_cli_takes_the_train_jobs_sections_as_hyperparallel_does(monkeypatch, tm
         (["qwen3-0.6b"], "give --tiny (random weights, offline) or --path DIR"),
         (["qwen3-0.6b", "--tiny", "--path", "{tmp}"], "give --tiny or --path, not both"),
         (["qwen3-0.6b", "--path", "{tmp}/missing"], "does not exist"),
-        (["qwen3-0.6b", "--tiny", "--mesh", "pp=2"], "pp=2 is not supported with --model"),
+        (["qwen3-0.6b", "--tiny", "--mesh", "pp=3"], "pp=3 = 3 ranks != world size 2"),
         (
             ["qwen3-0.6b", "--tiny", "--seq-len", "256"],
             "data.seq_len=256 exceeds max_position_embeddings=128",
@@ -190,8 +201,8 @@ def test_cli_takes_the_train_jobs_sections_as_hyperparallel_does(monkeypatch, tm
         (["qwen3-0.6b", "--tiny", "--data", "{tmp}/none.txt"], "no such file or folder"),
         (
             ["qwen3-0.6b", "--tiny", "--set", "data.global_batchsize=8"],
-            "data.global_batchsize=8: hyperparallel's section data has no such setting; choose "
-            "one of path, max_bytes, seq_len, batch_size, global_batch_size, val_fraction",
+            "data.global_batchsize: Extra inputs are not permitted (got 8), choose one of path, "
+            "max_bytes, seq_len, batch_size, global_batch_size, val_fraction",
         ),
         (
             ["qwen3-0.6b", "--tiny", "--set", "data.global_batch_size=0"],
@@ -211,4 +222,4 @@ def test_bad_input_is_refused_in_one_line_before_ranks(
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert message in lines[0]
-    assert not (out / "metrics.json").exists()
+    assert not out.exists()

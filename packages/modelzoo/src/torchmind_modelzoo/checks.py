@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from npu_core.files import UnwritableFolderError, check_writable_folder
 from torchmind_modelzoo.schema import ModelCard
 
 ARTEFACTS = ("model.pt2", "model.safetensors", "config.json", "manifest.json")
@@ -108,7 +108,8 @@ def check_out_dir(out: str | os.PathLike[str], *, overwrite: bool) -> Path:
     Refused: a path that is a file (``--overwrite`` never deletes a file it did not write), a
     folder holding a previous conversion unless ``overwrite``, a folder holding anything else
     (``overwrite`` replaces only :data:`ARTEFACTS`, so other files would be mixed in), and a
-    place that cannot be written (checked by creating and removing a probe file).
+    place that cannot be written (:func:`npu_core.files.check_writable_folder`, which creates
+    nothing).
 
     Raises:
         InputError: naming ``--out``, the path and what to do.
@@ -130,25 +131,11 @@ def check_out_dir(out: str | os.PathLike[str], *, overwrite: bool) -> Path:
                 f"--out {str(out)!r} already holds a conversion ({', '.join(ours)}); "
                 "pass --overwrite to replace it, or give a new folder"
             )
-    _check_writable(out)
-    return out
-
-
-def _check_writable(out: Path) -> None:
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise InputError(f"--out {str(out)!r}: {str(existing)!r} is a file, not a folder")
     try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".modelzoo-probe-")
-    except OSError as exc:
-        raise InputError(
-            f"--out {str(out)!r} cannot be written: creating a file in {str(existing)!r} "
-            f"failed ({exc.strerror})"
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
+        check_writable_folder(out)
+    except UnwritableFolderError as exc:
+        raise InputError(f"--out {exc}") from None
+    return out
 
 
 @contextlib.contextmanager

@@ -3,8 +3,9 @@
 Listing and validation need neither transformers nor diffusers; convert and run import the
 card's library when they need it and say which extra to install when it is missing.
 
-Exit status: 0 done; 1 the work failed (an invalid card, a missing library); 2 the input was
-refused before any work started (one line on stderr naming the argument; nothing written).
+Exit status: 0 done; 1 the work failed (an invalid card, a missing library, a failed rank,
+one line naming it); 2 the input was refused before any work started (one line on stderr
+naming the argument; nothing written).
 """
 
 import enum
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from npu_core.cli import HelpGroup, config_options, fail, run_app
+from npu_core.cli import HelpGroup, config_options, fail, rank_failures, run_app
 from npu_core.config import ConfigError, layer_tree, set_dotted
 from torchmind_modelzoo import registry
 from torchmind_modelzoo.checks import InputError, check_card_file, check_source
@@ -265,7 +266,19 @@ def train(
     resume: Annotated[
         bool, typer.Option(help="Continue from the last complete checkpoint in --out-dir.")
     ] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an earlier run in --out-dir.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            help="Replace an earlier run in --out-dir (what it recorded writing; nothing else)."
+        ),
+    ] = False,
+    allow_config_change: Annotated[
+        bool,
+        typer.Option(
+            help="With --resume: accept model or data settings that differ from the run's "
+            "(refused otherwise, naming the fields)."
+        ),
+    ] = False,
 ) -> None:
     """Train a full LLM card with hyperparallel (FSDP2/HSDP, Muon + AdamW) and print a summary.
 
@@ -278,9 +291,12 @@ def train(
     address its TrainConfig sections (data, optim, parallel, activation, ...), e.g. `--set
     data.global_batch_size=8`; `hyperparallel train --help` lists every setting. The shortcut
     options below set one key each. Needs the `train` extra (hyperparallel).
+
+    Every check runs before anything is written; a failed rank ends the run with one line
+    naming it, its traceback kept in --out-dir's logs folder.
     """
+    from torchmind_modelzoo import training
     from torchmind_modelzoo.build import LibraryMissingError
-    from torchmind_modelzoo.training import train as run_training
 
     card = _card(name)
     shortcuts = {
@@ -296,10 +312,26 @@ def train(
     except ConfigError as exc:
         fail(str(exc))
     try:
-        result = run_training(card, config, resume=resume, overwrite=overwrite)
+        prepared = training.prepare(
+            card,
+            config,
+            resume=resume,
+            overwrite=overwrite,
+            allow_config_change=allow_config_change,
+            warn=_warn,
+        )
     except (LibraryMissingError, InputError) as exc:
         fail(str(exc), code=_exit_code(exc))
+    with rank_failures(prepared.out_dir / "logs"):
+        try:
+            result = training.start(prepared)
+        except InputError as exc:  # a checkpoint that does not fit: the user's files
+            fail(str(exc), code=_exit_code(exc))
     print(json.dumps(result, indent=2, default=str))
+
+
+def _warn(message: str) -> None:
+    typer.echo(f"warning: {message}", err=True)
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ the card's tiny overrides, is written as ``OUT/model/config.json`` and hyperpara
 random weights from it; with ``--path`` the local folder's weights (and tokenizer) are used.
 The run is configured in hyperparallel's own ``TrainConfig`` sections (:func:`job_tree`), so
 ``--set data.global_batch_size=8`` means what it means to ``hyperparallel train``. The training
-itself is hyperparallel's ``train.job`` (prepare, then start), called in this process (it spawns
-the ranks), not a ``hyperparallel`` subprocess. hyperparallel is the optional extra
+itself is hyperparallel's ``train.job`` (its checks, then start), called in this process (it
+spawns the ranks), not a ``hyperparallel`` subprocess: :func:`prepare` checks everything and
+readies the out-dir, :func:`start` trains. hyperparallel is the optional extra
 ``modelzoo[train]``; it never imports modelzoo.
 """
 
@@ -14,13 +15,16 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from npu_core.config import ConfigError, merge, set_dotted
+from npu_core.env import launch_rank
+from npu_core.files import write_text_atomic
 from torchmind_modelzoo import registry
 from torchmind_modelzoo.build import LibraryMissingError, model_class, tiny_overrides
 from torchmind_modelzoo.checks import InputError, check_source
@@ -106,10 +110,7 @@ def train_config(card: ModelCard, options: TrainOptions, model: Path) -> Any:
     tree = job_tree(card, options)
     _set_key(tree, "hf.source", str(model))
     _set_key(tree, "hf.load_weights", not options.tiny)
-    unknown = _unknown_setting(TrainConfig, tree)
-    if unknown is not None:
-        raise InputError(unknown)
-    try:
+    try:  # an unknown key's line lists the fields of its section (npu_core.config)
         return TrainConfig.validate_tree(tree)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
@@ -131,25 +132,170 @@ def _set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:
         raise InputError(str(exc).replace("--set ", "", 1)) from None
 
 
-def _unknown_setting(model: type[BaseModel], tree: dict[str, Any], prefix: str = "") -> str | None:
-    """``key=value: ...; choose one of ...`` for the first key ``model`` lacks, else None.
+MODEL = "model"
+"""The out-dir entry holding a ``--tiny`` run's ``config.json`` (recorded as the run's own)."""
 
-    TrainConfig refuses such a key too, but without naming what the section does have.
+Warn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A card run that passed every check, its out-dir ready: what :func:`start` launches.
+
+    Attributes:
+        card: the card being trained.
+        config: hyperparallel's validated ``TrainConfig`` (``hf.source`` is :attr:`model`).
+        model: the trained model's ``config.json`` (``--tiny``) or folder (``--path``).
+        resume: whether the run continues the one in its out-dir.
     """
-    for key, value in tree.items():
-        field = model.model_fields.get(key)
-        if field is None:
-            where = f"section {prefix[:-1]}" if prefix else "TrainConfig"
-            return (
-                f"{prefix}{key}={value!r}: hyperparallel's {where} has no such setting; choose "
-                f"one of {', '.join(model.model_fields)}"
+
+    card: ModelCard
+    config: Any
+    model: Path
+    resume: bool
+
+    @property
+    def out_dir(self) -> Path:
+        """The run folder (metrics, plot, checkpoints, the failed ranks' ``logs``)."""
+        return Path(self.config.out_dir)
+
+
+def prepare(
+    card: ModelCard,
+    options: TrainOptions,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
+    warn: Warn | None = None,
+) -> PreparedRun:
+    """Check everything hyperparallel's job checks, then ready the out-dir; nothing is written
+    before the last check has passed.
+
+    With ``--tiny`` the model's config.json is the run's own file in the out-dir, but the checks
+    need it to read the model: a new run's is built in a temporary folder outside the out-dir,
+    checked there, and written into the out-dir only afterwards. A resumed run keeps the
+    config.json it was trained with.
+
+    Args:
+        allow_config_change: with ``resume``, accept model or data settings that differ from
+            the run's.
+        warn: receives each of the job's warnings (on rank 0 only, under torchrun).
+
+    Raises:
+        InputError: a card that does not train, a wrong weight source, a setting or an out-dir
+            hyperparallel refuses (the message is hyperparallel's one line).
+        LibraryMissingError: hyperparallel or transformers is not installed.
+    """
+    check_trainable(card)
+    check_source(card, tiny=options.tiny, path=options.path)
+    _require_hyperparallel()
+    out = Path(str(job_tree(card, options)["out_dir"]))
+    checks = {"resume": resume, "overwrite": overwrite, "allow_config_change": allow_config_change}
+    model = out / MODEL / "config.json" if options.tiny else Path(options.path or "")
+    entries = (MODEL,) if options.tiny else ()
+    if options.tiny and not (resume and not overwrite):  # a new run: its model is built here
+        with tempfile.TemporaryDirectory(prefix="modelzoo-tiny-") as staging:
+            staged = write_tiny_config(card, Path(staging))
+            staged_cfg = train_config(card, options, staged)
+            messages = _check_job(staged_cfg, checks, shown={str(staged): str(model)})
+            cfg = train_config(card, options, model)
+            _prepare_out_dir(cfg, entries, checks)
+            _install(staged, model)
+    else:
+        if options.tiny and not model.is_file():
+            raise InputError(
+                f"--resume: {out} holds no --tiny run to continue ({model} is missing); run "
+                "without --resume to start a new run"
             )
-        section = field.annotation
-        if isinstance(value, dict) and isinstance(section, type) and issubclass(section, BaseModel):
-            found = _unknown_setting(section, value, f"{prefix}{key}.")
-            if found is not None:
-                return found
-    return None
+        cfg = train_config(card, options, model)
+        messages = _check_job(cfg, checks)
+        _prepare_out_dir(cfg, entries, checks)
+    if warn is not None and launch_rank() == 0:
+        for message in messages:
+            warn(message)
+    return PreparedRun(card=card, config=cfg, model=model, resume=resume)
+
+
+def _check_job(cfg: Any, checks: dict[str, bool], shown: dict[str, str] | None = None) -> list[str]:
+    """hyperparallel's checks of ``cfg`` (model, mesh, memory, data, resume); its warnings.
+
+    ``shown`` maps the staged model's path to the one it will have, so that a refusal names
+    the file the user will find.
+    """
+    from hyperparallel.train import job
+    from hyperparallel.train.checkpoint import CheckpointError
+
+    def named(text: str) -> str:
+        for staged, final in (shown or {}).items():
+            text = text.replace(staged, final)
+        return text
+
+    try:
+        return [named(m) for m in job.check(cfg, **checks)]
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:
+        raise InputError(named(str(exc))) from None
+
+
+def _prepare_out_dir(cfg: Any, entries: tuple[str, ...], checks: dict[str, bool]) -> None:
+    """hyperparallel's out-dir preparation, with ``entries`` (the ``model`` folder) recorded as
+    the run's too: refused when the user keeps a folder of that name there, removed with the
+    rest of an earlier run on ``--overwrite``. Under torchrun only rank 0 changes the folder."""
+    from hyperparallel.train.outdir import prepare_out_dir, run_artefacts
+
+    try:
+        prepare_out_dir(
+            Path(cfg.out_dir),
+            (*run_artefacts(cfg), *entries),
+            resume=checks["resume"],
+            overwrite=checks["overwrite"],
+            owner=launch_rank() == 0,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _install(staged: Path, model: Path) -> None:
+    """Write the checked ``staged`` config.json as ``model``, complete or not at all."""
+    try:
+        write_text_atomic(model, staged.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(
+            f"out_dir {model.parent.parent}: cannot write {model} ({exc.strerror or exc})"
+        ) from None
+
+
+def start(run: PreparedRun, *, progress: bool = True) -> dict[str, Any]:
+    """Train a :func:`prepare`-d run on its ranks; a JSON-friendly summary of the run.
+
+    Raises:
+        InputError: the checkpoint to resume from does not fit the model.
+        Exception: what a failed rank raised (``npu_core.cli.rank_failures`` turns it into
+            one line naming the rank).
+    """
+    from hyperparallel.train import job
+    from hyperparallel.train.checkpoint import CheckpointError
+
+    cfg = run.config
+    started = time.perf_counter()
+    try:
+        results = job.start(cfg, resume=run.resume, progress=progress)
+    except CheckpointError as exc:
+        raise InputError(str(exc)) from None
+    first = results[0]
+    return {
+        "card": run.card.id,
+        "architecture": run.card.architecture,
+        "model": str(run.model),
+        "tiny": not cfg.hf.load_weights,
+        "nproc": cfg.parallel.nproc,
+        "mesh": cfg.parallel.mesh,
+        "steps": [first.first_step, first.last_step],
+        "losses": first.train_losses,
+        "val_loss": first.val_losses[-1] if first.val_losses else None,
+        "seconds": round(time.perf_counter() - started, 3),
+        "out_dir": str(run.out_dir),
+    }
 
 
 def train(
@@ -158,57 +304,23 @@ def train(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    allow_config_change: bool = False,
     progress: bool = True,
+    warn: Warn | None = None,
 ) -> dict[str, Any]:
-    """Train ``card`` with hyperparallel; a JSON-friendly summary of the run.
+    """Train ``card`` with hyperparallel (:func:`prepare`, then :func:`start`); the summary.
 
     Raises:
-        InputError: a card that does not train, a wrong weight source, or a setting
-            hyperparallel refuses (the message is hyperparallel's one line).
+        InputError: a card that does not train, a wrong weight source, a setting or out-dir
+            hyperparallel refuses, or a checkpoint that does not fit.
         LibraryMissingError: hyperparallel or transformers is not installed.
     """
-    check_trainable(card)
-    check_source(card, tiny=options.tiny, path=options.path)
-    _require_hyperparallel()
-    from hyperparallel.train import job
-    from hyperparallel.train.checkpoint import CheckpointError
-
-    out = Path(str(job_tree(card, options)["out_dir"]))
-    model = out / "model" / "config.json" if options.tiny else Path(options.path or "")
-    cfg = train_config(card, options, model)  # every setting checked before a file is written
-    if options.tiny:
-        _write_tiny_model(card, model.parent, resume=resume, overwrite=overwrite)
-    started = time.perf_counter()
-    try:
-        job.prepare(cfg, resume=resume, overwrite=overwrite)
-        results = job.start(cfg, resume=resume, progress=progress)
-    except (ValueError, FileNotFoundError, CheckpointError) as exc:
-        raise InputError(str(exc)) from None
-    first = results[0]
-    return {
-        "card": card.id,
-        "architecture": card.architecture,
-        "model": str(model),
-        "tiny": options.tiny,
-        "nproc": cfg.parallel.nproc,
-        "mesh": cfg.parallel.mesh,
-        "steps": [first.first_step, first.last_step],
-        "losses": first.train_losses,
-        "val_loss": first.val_losses[-1] if first.val_losses else None,
-        "seconds": round(time.perf_counter() - started, 3),
-        "out_dir": str(out),
-    }
-
-
-def _write_tiny_model(card: ModelCard, folder: Path, *, resume: bool, overwrite: bool) -> None:
-    """The tiny config in ``folder`` (``OUT/model``). It is written before hyperparallel's checks
-    (they read it) only into a new folder or one this command is allowed to change; an earlier
-    run's folder without --resume/--overwrite is left for hyperparallel to refuse untouched."""
-    if not (folder / "config.json").exists() or resume or overwrite:
-        try:
-            write_tiny_config(card, folder)
-        except OSError as exc:
-            raise InputError(
-                f"out_dir {folder.parent}: cannot write {folder / 'config.json'} "
-                f"({exc.strerror or exc})"
-            ) from None
+    run = prepare(
+        card,
+        options,
+        resume=resume,
+        overwrite=overwrite,
+        allow_config_change=allow_config_change,
+        warn=warn,
+    )
+    return start(run, progress=progress)
