@@ -2,8 +2,10 @@
 
 Dropless: every (token, expert) pair the router chooses is computed, however uneven the load, by
 exchanging the per-expert counts first and then the tokens with ``all_to_all_single`` and uneven
-split sizes (torch.distributed.nn's autograd version, so backward runs the reverse exchange). The
-router and its balance loss are computed locally as without EP, so they are unchanged.
+split sizes. The exchanges are chunked by local expert group and asynchronous
+(:mod:`hyperparallel.parallel.all_to_all`), so that a chunk's experts compute while the other
+chunks travel, in forward and backward. The router and its balance loss are computed locally as
+without EP, so they are unchanged.
 
 Expert weights are DTensors on the expert mesh, ``Shard(0)`` over ``ep`` and ``dp_shard`` and
 ``Replicate()`` over ``dp_replicate``: each rank stores ``E / (ep x dp_shard)`` experts (the layout
@@ -28,21 +30,45 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from hyperparallel._config import StrictModel
 from hyperparallel.models.moe import MoEFeedForward
+from hyperparallel.parallel.all_to_all import start_all_to_all, wait_all_to_all
+from hyperparallel.parallel.dispatch_plan import DispatchPlan, expert_groups, plan_dispatch
 from hyperparallel.parallel.mesh import MeshSet
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
-ExpertCompute = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
-"""``(rows [R, D], local expert id of each row [R], rows per local expert) -> [R, D_out]``: the
-experts of this rank applied to the rows it received, which arrive grouped by local expert
-(ascending). Called on every rank for every dispatch, also with ``R == 0``, because it may run
-collectives (gathering the local expert slices)."""
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor, int, list[int]], torch.Tensor]
+"""``(rows [R, D], expert of each row within the chunk [R], chunk c, rows per expert of the
+chunk) -> [R, D_out]``: the experts of chunk ``c`` (:meth:`ExpertParallelDispatch.chunk_experts`)
+applied to the rows this rank received for them, which arrive grouped by expert (ascending).
+Called once per chunk, also with ``R == 0``. It must not communicate: the local expert slices
+are gathered once per dispatch, before it (:meth:`ExpertParallelDispatch.local_experts`)."""
+
+DEFAULT_CHUNKS = 1
+"""Blocking dispatch by default: on 2 CPU ranks over gloo (benchmarks/expert_overlap.py, results
+in benchmarks/results/expert_overlap.md) every chunk count above 1 made the step slower. gloo's
+exchanges run on the same cores as the experts, the blocking dispatch waits only a few percent of
+the step, and each extra chunk adds two exchanges and an expert call. Where the exchange runs
+beside the compute (an accelerator's communication engine), set ``chunks`` above 1 and measure."""
+
+
+class ExpertDispatchConfig(StrictModel):
+    """How expert-parallel dispatch overlaps its all-to-alls with the expert compute."""
+
+    chunks: int = Field(
+        DEFAULT_CHUNKS,
+        ge=1,
+        le=64,
+        description="Groups the local experts are split into; group c computes while the later "
+        "groups' tokens travel and the earlier groups' outputs return (1: exchange everything, "
+        "then compute, no overlap). Capped at the number of local experts.",
+    )
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -84,15 +110,20 @@ class ExpertParallelDispatch:
     Args:
         meshes: the job's meshes (``meshes.ep`` and ``meshes.experts`` must be set).
         n_experts: E, divisible by ``ep x dp_shard``.
+        config: the chunking (default :class:`ExpertDispatchConfig`).
     """
 
-    def __init__(self, meshes: MeshSet, n_experts: int) -> None:
+    def __init__(
+        self, meshes: MeshSet, n_experts: int, config: ExpertDispatchConfig | None = None
+    ) -> None:
         assert meshes.ep is not None and meshes.experts is not None
         self.group = meshes.ep.get_group()
         self.ep = meshes.ep.size()
-        self.ep_rank = meshes.ep.get_local_rank()
         self.n_experts = n_experts
         self.n_local = n_experts // self.ep
+        chunks = (config or ExpertDispatchConfig()).chunks
+        self.groups = expert_groups(self.n_local, chunks)
+        """The chunks' groups of local experts, the same on every rank."""
         self.mesh = meshes.experts
         names = self.mesh.mesh_dim_names or ()
         self.stored = [Shard(0) if n in ("ep", "dp_shard") else Replicate() for n in names]
@@ -112,6 +143,12 @@ class ExpertParallelDispatch:
         scaled: torch.Tensor = _ScaleGrad.apply(local, self.grad_scale)
         return scaled
 
+    def chunk_experts(self, local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``local: [E / ep, ...]`` split into the chunks' groups of experts. One split for all
+        chunks: its backward concatenates their gradients once, where slicing per chunk would
+        add a zero-filled ``[E / ep, ...]`` gradient per chunk."""
+        return local.split([group.stop - group.start for group in self.groups])
+
     def dispatch(
         self,
         tokens: torch.Tensor,
@@ -123,44 +160,45 @@ class ExpertParallelDispatch:
         hold them, run ``compute`` there, bring the outputs back and combine them with the router
         ``weights: [T, k]``. Returns ``[T, D_out]`` in ``tokens``' dtype.
 
-        An index ``>= E`` (the skip sentinel some routers emit) is not sent anywhere and adds
-        nothing to its token's output.
+        Every chunk's rows leave at once; chunk ``c`` is computed as soon as it has arrived,
+        while the later chunks are still travelling and the earlier chunks' outputs are on their
+        way back. Backward runs the same pipeline in reverse. Each expert sees all its rows in
+        one call, so its GEMMs are as large as without chunks. An index ``>= E`` (the skip
+        sentinel some routers emit) is not sent anywhere and adds nothing to its token's output.
         """
-        n_tokens, top_k = experts.shape
+        plan = self._plan(experts)
+        top_k = experts.shape[1]
+        send = tokens[plan.pairs // top_k].split(plan.send_rows)
+        inbound = [
+            start_all_to_all(rows, recv, sent, self.group)
+            for rows, sent, recv in zip(send, plan.send_splits, plan.recv_splits, strict=True)
+        ]
+        outbound = []
+        for c, group in enumerate(self.groups):
+            got = wait_all_to_all(*inbound[c])
+            # Rows arrive ordered by (source rank, expert); group them by expert.
+            counts = plan.recv_counts[:, group]
+            ids = torch.arange(counts.shape[1], device=got.device).repeat(self.ep)
+            row_ids = ids.repeat_interleave(counts.reshape(-1), output_size=got.shape[0])
+            by_expert = row_ids.argsort(stable=True)
+            computed = compute(got[by_expert], row_ids[by_expert], c, plan.recv_per_expert[c])
+            back = torch.empty_like(computed).index_copy(0, by_expert, computed)
+            outbound.append(
+                start_all_to_all(back, plan.send_splits[c], plan.recv_splits[c], self.group)
+            )
+        returned = torch.cat([wait_all_to_all(*exchange) for exchange in outbound])
+        weighted = (returned * weights.reshape(-1)[plan.pairs, None]).to(tokens.dtype)
+        out = tokens.new_zeros(tokens.shape[0], weighted.shape[1])
+        return out.index_add(0, plan.pairs // top_k, weighted)
+
+    def _plan(self, experts: torch.Tensor) -> DispatchPlan:
+        """Exchange the per-expert counts (blocking: the splits must be known on the host) and
+        plan the chunks."""
         flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by global expert
         counts = torch.bincount(flat, minlength=self.n_experts)[: self.n_experts]
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
-        # received[s * n_local + j]: pairs rank s sends to this rank's local expert j
-        send_splits = counts.view(self.ep, self.n_local).sum(dim=1).tolist()
-        order = order[: sum(send_splits)]  # sentinels sort last and are dropped
-        recv_matrix = received.view(self.ep, self.n_local)
-        recv_splits = recv_matrix.sum(dim=1).tolist()
-        send = tokens[order // top_k]
-        got = dist_fn.all_to_all_single(
-            send.new_empty(sum(recv_splits), send.shape[1]),
-            send,
-            output_split_sizes=recv_splits,
-            input_split_sizes=send_splits,
-            group=self.group,
-        )
-        # Received rows are ordered by (source rank, local expert); group them by local expert.
-        local_ids = torch.arange(self.n_local, device=flat.device).repeat(self.ep)
-        row_ids = local_ids.repeat_interleave(recv_matrix.reshape(-1))
-        by_expert = row_ids.argsort(stable=True)
-        per_expert = recv_matrix.sum(dim=0).tolist()
-        computed = compute(got[by_expert], row_ids[by_expert], per_expert)
-        back = torch.empty_like(computed).index_copy(0, by_expert, computed)
-        returned = dist_fn.all_to_all_single(
-            back.new_empty(order.numel(), back.shape[1]),
-            back,
-            output_split_sizes=send_splits,
-            input_split_sizes=recv_splits,
-            group=self.group,
-        )
-        weighted = (returned * weights.reshape(-1)[order, None]).to(tokens.dtype)
-        return tokens.new_zeros(n_tokens, weighted.shape[1]).index_add(0, order // top_k, weighted)
+        return plan_dispatch(flat, counts, received, self.groups)
 
     def __call__(
         self,
@@ -171,14 +209,21 @@ class ExpertParallelDispatch:
     ) -> torch.Tensor:
         """The built-in MoE's experts (SwiGLU on ``w_gate, w_up, w_down``) under EP: see
         :meth:`dispatch`."""
+        # one unbind per weight: its backward stacks the experts' gradients once (indexing
+        # w[j] per expert would add a zero-filled [E / ep, ...] gradient per expert)
+        w_gate, w_up, w_down = (
+            self.local_experts(getattr(ffn, n)).unbind() for n in EXPERT_WEIGHTS
+        )
 
-        def swiglu(rows: torch.Tensor, _ids: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-            w_gate, w_up, w_down = (self.local_experts(getattr(ffn, n)) for n in EXPERT_WEIGHTS)
+        def swiglu(
+            rows: torch.Tensor, _ids: torch.Tensor, chunk: int, per_expert: list[int]
+        ) -> torch.Tensor:
+            first = self.groups[chunk].start
             outputs = [
                 (F.silu(h @ w_gate[j]) * (h @ w_up[j])) @ w_down[j]
-                for j, h in enumerate(rows.split(per_expert))
+                for j, h in enumerate(rows.split(per_expert), start=first)
             ]
-            return torch.cat(outputs) if outputs else rows.new_empty(0, w_down.shape[-1])
+            return torch.cat(outputs)
 
         return self.dispatch(tokens, experts, weights, swiglu)
 
@@ -196,8 +241,11 @@ def check_divisible(n_experts: int, ep: int, dp_shard: int, what: str) -> None:
         )
 
 
-def apply_expert_parallel(model: nn.Module, meshes: MeshSet) -> list[nn.Parameter]:
-    """Place every MoE layer's experts on the expert mesh and route its tokens by all-to-all.
+def apply_expert_parallel(
+    model: nn.Module, meshes: MeshSet, config: ExpertDispatchConfig | None = None
+) -> list[nn.Parameter]:
+    """Place every MoE layer's experts on the expert mesh and route its tokens by all-to-all,
+    chunked as ``config`` says (default :class:`ExpertDispatchConfig`).
 
     Call before FSDP (pass the returned parameters as its ``ignored_params``): the expert
     DTensors are managed here, not by FSDP.
@@ -212,7 +260,7 @@ def apply_expert_parallel(model: nn.Module, meshes: MeshSet) -> list[nn.Paramete
             continue
         n_experts = module.w_gate.shape[0]
         check_divisible(n_experts, dims.ep, dims.dp_shard, "model.n_experts")
-        dispatch = ExpertParallelDispatch(meshes, n_experts)
+        dispatch = ExpertParallelDispatch(meshes, n_experts, config)
         for name in EXPERT_WEIGHTS:
             param = dispatch.place(getattr(module, name))
             setattr(module, name, param)

@@ -7,11 +7,12 @@ parameter stacked on dim 0 over the experts (``gate_up_proj``, ``down_proj``; gp
 ``gate_up_proj_bias``, ``down_proj_bias``), and ``num_experts`` sizing its expert mask. So the
 experts are not re-implemented here: each such module's forward is replaced by
 :meth:`~hyperparallel.parallel.expert.ExpertParallelDispatch.dispatch`, whose compute step runs
-the module's *own* forward on the rows this rank received, with its parameters swapped for this
-rank's ``E / ep`` slices, ``num_experts`` set to that count, the local expert index as a top-1
-choice and weight 1. The router weights are applied once, in the combine. Whatever expert
-kernel the model is configured with (``config._experts_implementation``: eager loop,
-``grouped_mm``, ``batched_mm``) runs unchanged, on fewer experts.
+the module's *own* forward on the rows this rank received for one chunk, with its parameters
+swapped for that chunk's slices of this rank's ``E / ep`` experts, ``num_experts`` set to their
+count, the expert index within the chunk as a top-1 choice and weight 1. The router weights are
+applied once, in the combine. Whatever expert kernel the model is configured with
+(``config._experts_implementation``: eager loop, ``grouped_mm``, ``batched_mm``) runs unchanged,
+on fewer experts.
 
 The modules are found by the family plan's ``experts`` pattern (the owners of the parameters it
 matches), so a new family with the same contract needs no code here.
@@ -25,10 +26,15 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from hyperparallel.models.families import FamilyPlan
-from hyperparallel.parallel.expert import ExpertParallelDispatch, check_divisible, keep_in_graph
+from hyperparallel.parallel.expert import (
+    ExpertDispatchConfig,
+    ExpertParallelDispatch,
+    check_divisible,
+    keep_in_graph,
+)
 from hyperparallel.parallel.mesh import MeshSet
 
 
@@ -89,17 +95,22 @@ class HFExpertParallel:
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """The experts' forward contract: ``[T, H], [T, k], [T, k] -> [T, H]``."""
-        return self.dispatch.dispatch(hidden_states, top_k_index, top_k_weights, self.compute)
-
-    def compute(self, rows: torch.Tensor, local_ids: torch.Tensor, _: list[int]) -> torch.Tensor:
-        """The module's own forward on this rank's rows with its local expert slices."""
-        local = {
-            name: self.dispatch.local_experts(getattr(self.module, name)) for name in self.names
+        chunks = {
+            name: self.dispatch.chunk_experts(
+                self.dispatch.local_experts(getattr(self.module, name))
+            )
+            for name in self.names
         }
-        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-        with _local_view(self.module, local, self.dispatch.n_local):
-            out: torch.Tensor = self.class_forward(self.module, rows, local_ids[:, None], ones)
-        return keep_in_graph(out, list(local.values()))
+
+        def compute(rows: Tensor, ids: Tensor, chunk: int, per_expert: list[int]) -> Tensor:
+            """The module's own forward on one chunk's rows with that chunk's expert slices."""
+            sliced = {name: pieces[chunk] for name, pieces in chunks.items()}
+            ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+            with _local_view(self.module, sliced, len(per_expert)):
+                out: Tensor = self.class_forward(self.module, rows, ids[:, None], ones)
+            return keep_in_graph(out, list(sliced.values()))
+
+        return self.dispatch.dispatch(hidden_states, top_k_index, top_k_weights, compute)
 
 
 @contextmanager
@@ -122,10 +133,14 @@ def _local_view(
 
 
 def apply_hf_expert_parallel(
-    model: nn.Module, plan: FamilyPlan, meshes: MeshSet
+    model: nn.Module,
+    plan: FamilyPlan,
+    meshes: MeshSet,
+    config: ExpertDispatchConfig | None = None,
 ) -> list[nn.Parameter]:
     """Place every experts module's stacks on the expert mesh and route their tokens by
-    all-to-all. Call before FSDP and pass the returned parameters as its ``ignored_params``.
+    all-to-all, chunked as ``config`` says (default :class:`ExpertDispatchConfig`). Call before
+    FSDP and pass the returned parameters as its ``ignored_params``.
 
     Raises:
         ValueError: no experts module (a dense model), or E not divisible by
@@ -142,7 +157,7 @@ def apply_hf_expert_parallel(
     for name, module in found:
         n_experts = num_experts(module)
         check_divisible(n_experts, dims.ep, dims.dp_shard, f"{name}.num_experts")
-        dispatch = ExpertParallelDispatch(meshes, n_experts)
+        dispatch = ExpertParallelDispatch(meshes, n_experts, config)
         for pname in [p for p, _ in module.named_parameters(recurse=False)]:
             param = dispatch.place(getattr(module, pname))
             setattr(module, pname, param)
