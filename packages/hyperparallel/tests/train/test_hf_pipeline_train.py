@@ -78,7 +78,7 @@ def _train(model: Path, out: Path, mesh: str, nproc: int, *extra: str) -> dict[s
             str(STEPS),
             "--out-dir",
             str(out),
-            *extra,
+            *extra,  # a later --steps wins
         ],
     )
     assert result.exit_code == 0, result.output
@@ -97,3 +97,27 @@ def test_pipelined_first_step_loss_equals_the_library_loss(layout: str, tmp_path
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - _library_loss(folder, dp_ranks)) < 1e-4
     assert metrics["config"]["parallel"]["mesh"] == mesh
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # four CLI runs of 10-20 steps (80 s to 4 min on a loaded 2-core machine)
+def test_moe_stages_track_fsdp_and_resume_from_an_fsdp_checkpoint(tmp_path: Path):
+    """Qwen3-MoE on ``pp=2,ep=2`` (4 ranks) against FSDP2 on 2 ranks, the same global batch:
+    20 steps within 1e-3 (the per-stage balance loss is the only difference), and an FSDP
+    checkpoint of step 10 resumes on ``pp=2,ep=2`` (DCP reshards into stages and expert
+    shards) to the same tolerance."""
+    folder = _model(tmp_path / "model", "moe", 2)
+    steps = ("--steps", "20")
+    fsdp = _train(folder, tmp_path / "fsdp", "fsdp", 2, *steps)
+    piped = _train(folder, tmp_path / "pp", "pp=2,ep=2", 4, *steps)
+    want = [r["loss"] for r in fsdp["train"]]
+    got = [r["loss"] for r in piped["train"]]
+    assert len(got) == len(want) == 20
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3
+
+    out = tmp_path / "resumed"
+    _train(folder, out, "fsdp", 2, "--steps", "10", "--set", "checkpoint_every=10")
+    resumed = _train(folder, out, "pp=2,ep=2", 4, *steps, "--resume")
+    losses = [r["loss"] for r in resumed["train"]]
+    assert losses[:10] == want[:10]  # kept from the FSDP run's metrics
+    assert max(abs(a - b) for a, b in zip(losses[10:], want[10:], strict=True)) < 1e-3
