@@ -29,9 +29,11 @@ LAYOUTS: dict[str, tuple[str, int, int, str, tuple[str, ...]]] = {
     "dense-interleaved": ("dense", 4, 1, "pp=2", ("--pp-schedule", "interleaved_1f1b")),
     "dense-dualpipev": ("dense", 4, 1, "pp=2", ("--pp-schedule", "dualpipev")),
     "moe-pp": ("moe", 2, 1, "pp=2", ()),
+    "moe-interleaved": ("moe", 4, 1, "pp=2", ("--pp-schedule", "interleaved_1f1b")),
     "moe-pp-ep": ("moe", 2, 2, "pp=2,ep=2", ()),
     "mla-moe-pp": ("mla-moe", 2, 1, "pp=2", ()),
     "mla-moe-pp-ep": ("mla-moe", 2, 2, "pp=2,ep=2", ()),
+    "mla-moe-pp-ep-dualpipev": ("mla-moe", 4, 2, "pp=2,ep=2", ("--pp-schedule", "dualpipev")),
 }
 """Run name -> (family, decoder blocks, data-parallel ranks, mesh, more CLI arguments); the V and
 looped schedules hold two stages per rank, so their decoders have four blocks."""
