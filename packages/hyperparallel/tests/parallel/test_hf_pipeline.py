@@ -39,6 +39,16 @@ PIPELINED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "DeepseekV3ForCausalLM": FAMILIES["mla-moe"],
+    "DeepseekV32ForCausalLM": (
+        "DeepseekV32Config",
+        {
+            **FAMILIES["mla-moe"][1],
+            "num_key_value_heads": 4,  # MLA: one key/value head per query head
+            "index_topk": 4,  # below the sequence: the indexer picks keys, reading the mask
+            "index_head_dim": 8,
+            "index_n_heads": 2,
+        },
+    ),
 }
 """Every pipelined architecture -> (config class, fields over TINY_HF_SHAPE with 4 blocks)."""
 

@@ -24,6 +24,21 @@ from packages.hyperparallel.tests.tiny_hf import FAMILIES, TINY_HF_SHAPE
 
 STEPS = 3
 
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    **FAMILIES,
+    "mla-moe-v3.2": (
+        "DeepseekV32Config",
+        {
+            **FAMILIES["mla-moe"][1],
+            "num_key_value_heads": 4,  # MLA: one key/value head per query head
+            "index_topk": 4,  # below the sequence: the lightning indexer picks the keys
+            "index_head_dim": 8,
+            "index_n_heads": 2,
+        },
+    ),
+}
+"""The tiny families, and DeepSeek-V3.2 (MLA + MoE with the sparse-attention indexer)."""
+
 LAYOUTS: dict[str, tuple[str, int, int, str, tuple[str, ...]]] = {
     "dense-1f1b": ("dense", 2, 1, "pp=2", ()),
     "dense-interleaved": ("dense", 4, 1, "pp=2", ("--pp-schedule", "interleaved_1f1b")),
@@ -34,13 +49,14 @@ LAYOUTS: dict[str, tuple[str, int, int, str, tuple[str, ...]]] = {
     "mla-moe-pp": ("mla-moe", 2, 1, "pp=2", ()),
     "mla-moe-pp-ep": ("mla-moe", 2, 2, "pp=2,ep=2", ()),
     "mla-moe-pp-ep-dualpipev": ("mla-moe", 4, 2, "pp=2,ep=2", ("--pp-schedule", "dualpipev")),
+    "mla-moe-v3.2-pp-ep": ("mla-moe-v3.2", 2, 2, "pp=2,ep=2", ()),
 }
 """Run name -> (family, decoder blocks, data-parallel ranks, mesh, more CLI arguments); the V and
 looped schedules hold two stages per rank, so their decoders have four blocks."""
 
 
 def _model(folder: Path, family: str, n_layers: int) -> Path:
-    cls, extra = FAMILIES[family]
+    cls, extra = CONFIGS[family]
     config = getattr(transformers, cls)(**{**TINY_HF_SHAPE, **extra, "num_hidden_layers": n_layers})
     config.save_pretrained(folder)
     return folder

@@ -236,6 +236,6 @@ register(
         "mla+moe",
         router=_ROUTER,
         experts=_EXPERTS,
-        pipelined=("DeepseekV3ForCausalLM",),
+        pipelined=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
     )
 )

@@ -9,8 +9,8 @@ rotary embeddings from the decoder's own ``rotary_emb`` and masks from transform
 ``layer_types`` entry, that the decoder makes with no padding mask and no cache, as the
 unpipelined training path runs it), and the final norm and head on the last stage. Only the
 architectures a family lists in ``FamilyPlan.pipelined`` are cut: their decoders have exactly
-that forward (one rotary embedding for every block, full or sliding-window attention masks);
-each is checked against the library's own forward in the tests.
+that forward (one rotary embedding for every block; full, sliding-window or DeepSeek-V3.2's
+indexed attention masks); each is checked against the library's own forward in the tests.
 
 The stages keep the wrapper's parameter names (``model.model.layers.3...``,
 ``model.lm_head.weight``) through :class:`DecoderStagesView`, so DCP checkpoints reshard between
@@ -36,7 +36,16 @@ from hyperparallel.parallel.pipeline import AttachAux, Pipeline, build_stages
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+_MASKS = {
+    "full_attention": ("create_causal_mask", True),
+    "sliding_attention": ("create_sliding_window_causal_mask", True),
+    "indexed_attention": ("create_causal_mask", False),
+}
+"""``config.layer_types`` entry -> (transformers mask function, whether the kernel may skip an
+all-causal mask). DeepSeek-V3.2's indexed attention needs the explicit mask (its indexer reads
+it), so its decoder passes ``allow_is_causal_skip=False``, as the stage does."""
+
+MASKED_LAYER_TYPES = tuple(_MASKS)
 """``config.layer_types`` entries a stage builds masks for (others, e.g. linear attention, are
 refused)."""
 
@@ -135,15 +144,16 @@ def _default_layer_type(config: Any) -> str:
 def _mask(kind: str, config: Any, hidden: Tensor, positions: Tensor) -> Any:
     """The decoder's mask for blocks of ``kind`` (no padding mask, no cache), as its forward
     builds it; None where the attention kernel masks causally by itself."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers import masking_utils
 
-    make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-    return make(
+    function, may_skip = _MASKS[kind]
+    return getattr(masking_utils, function)(
         config=config,
         inputs_embeds=hidden,
         attention_mask=None,
         cache=None,
         position_ids=positions,
+        allow_is_causal_skip=may_skip,
     )
 
 
