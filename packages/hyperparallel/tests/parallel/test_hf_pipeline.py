@@ -27,6 +27,15 @@ PIPELINED: dict[str, tuple[str, dict[str, Any]]] = {
     "MistralForCausalLM": ("MistralConfig", {"sliding_window": WINDOW}),
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
     "Qwen3ForCausalLM": FAMILIES["dense"],
+    "Phi3ForCausalLM": ("Phi3Config", {"pad_token_id": 0, "sliding_window": WINDOW}),
+    "Gemma3ForCausalLM": (  # a rotary embedding per layer type, soft-capped logits
+        "Gemma3TextConfig",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
     "Qwen3MoeForCausalLM": FAMILIES["moe"],
     "Glm4MoeForCausalLM": MORE_MOE_FAMILIES["glm-4.5"],
     "MiniMaxM2ForCausalLM": MORE_MOE_FAMILIES["minimax-m2"],

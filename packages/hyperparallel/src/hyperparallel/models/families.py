@@ -62,7 +62,8 @@ class FamilyPlan:
         experts: regex of stacked expert weights ``[E, ...]``: Muon, one matrix per expert.
         pipelined: the architectures (of ``architectures``) cut into pipeline stages under
             ``pp``: decoders whose forward is the token embedding, blocks that take one rotary
-            embedding and a full or sliding-window causal mask, then the final norm, with the
+            embedding (or one per layer type, as Gemma 3's) and a full, sliding-window or
+            indexed causal mask, then the final norm, with the
             embedding, rotary embedding and norm beside the blocks (``embed_tokens``,
             ``rotary_emb``, ``norm``); see :mod:`hyperparallel.parallel.hf_pipeline`.
     """
@@ -205,6 +206,8 @@ register(
             "MistralForCausalLM",
             "Qwen2ForCausalLM",
             "Qwen3ForCausalLM",
+            "Phi3ForCausalLM",
+            "Gemma3ForCausalLM",
         ),
     )
 )

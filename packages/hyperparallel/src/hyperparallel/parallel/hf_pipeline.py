@@ -9,8 +9,9 @@ rotary embeddings from the decoder's own ``rotary_emb`` and masks from transform
 ``layer_types`` entry, that the decoder makes with no padding mask and no cache, as the
 unpipelined training path runs it), and the final norm and head on the last stage. Only the
 architectures a family lists in ``FamilyPlan.pipelined`` are cut: their decoders have exactly
-that forward (one rotary embedding for every block; full, sliding-window or DeepSeek-V3.2's
-indexed attention masks); each is checked against the library's own forward in the tests.
+that forward (one rotary embedding for every block, or one per layer type as Gemma 3's; full,
+sliding-window or DeepSeek-V3.2's indexed attention masks); each is checked against the
+library's own forward in the tests.
 
 The stages keep the wrapper's parameter names (``model.model.layers.3...``,
 ``model.lm_head.weight``) through :class:`DecoderStagesView`, so DCP checkpoints reshard between
@@ -23,6 +24,7 @@ blocks' routers together, which no stage sees, so under pp it is this per-stage 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -101,6 +103,7 @@ class DecoderStage(nn.Module):
         self.lm_head = lm.model.get_output_embeddings() if last else None
         # the rotary embedding holds buffers only (inv_freq): every stage shares the module
         self.rotary_emb = decoder.get_submodule("rotary_emb")
+        self.rotary_per_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         types = getattr(self.config, "layer_types", None)
         self.layer_types = [types[i] if types else _default_layer_type(self.config) for i in layers]
         self.balance = lm.balance if balance_scale else None
@@ -112,15 +115,19 @@ class DecoderStage(nn.Module):
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        rotary = self.rotary_emb(x, positions)
-        masks = {kind: _mask(kind, self.config, x, positions) for kind in set(self.layer_types)}
+        kinds = set(self.layer_types)
+        masks = {kind: _mask(kind, self.config, x, positions) for kind in kinds}
+        if self.rotary_per_type:  # Gemma 3: local and global rotary bases
+            rotary = {kind: self.rotary_emb(x, positions, kind) for kind in kinds}
+        else:
+            rotary = dict.fromkeys(kinds, self.rotary_emb(x, positions))
         logits: list[Tensor] = []
         with _recording(self, logits):
             for kind, layer in zip(self.layer_types, self.layers.values(), strict=True):
                 out = layer(
                     x,
                     attention_mask=masks[kind],
-                    position_embeddings=rotary,
+                    position_embeddings=rotary[kind],
                     position_ids=positions,
                     use_cache=False,
                 )
