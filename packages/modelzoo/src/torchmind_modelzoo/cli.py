@@ -221,7 +221,8 @@ def train(
         _job_option(
             "parallel.mesh",
             "Mesh over the ranks: 'fsdp' (all ranks shard), 'RxS' (HSDP: R replicas of S "
-            "shards) or 'ep=2,dp_shard=1' (expert parallelism, MoE cards); pp is not supported.",
+            "shards), 'ep=2,dp_shard=1' (expert parallelism, MoE cards) or 'pp=2,ep=2' (pipeline "
+            "stages; cards whose family is cut into stages, untied embeddings).",
         ),
     ] = None,
     steps: Annotated[
