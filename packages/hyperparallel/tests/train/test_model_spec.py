@@ -95,7 +95,7 @@ def test_moe_layout_returns_the_local_batch():
 @pytest.mark.parametrize(
     ("mesh", "world", "message"),
     [
-        ("pp=2,dp_shard=2", 4, "pp=2 is not supported with --model"),
+        ("pp=4", 4, "is fewer than the 4 pipeline stages"),
         (
             "ep=2,dp_shard=4",
             8,
@@ -104,8 +104,9 @@ def test_moe_layout_returns_the_local_batch():
     ],
 )
 def test_transformers_layout_conflicts_are_named(tiny_moe: Path, mesh, world, message):
-    """The transformers spec refuses pipelines and checks its own expert count, not
-    ``model.n_experts`` (the built-in MoE's, which would pass here)."""
+    """The transformers spec checks a pipeline against its own blocks (2 here, fewer than 4
+    stages) and its own expert count, not ``model.n_experts`` (the built-in MoE's, which would
+    pass here)."""
     overrides = [f"hf.source={str(tiny_moe)!r}", "model.n_experts=8"]
     spec = model_spec(load_config(debug(), overrides=overrides))
     with pytest.raises(ValueError, match=message):
