@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from torch import nn
 
 from hyperparallel.parallel.mesh import ParallelDims, parse_mesh
 from hyperparallel.train import job
@@ -168,3 +169,18 @@ def test_memory_check_counts_one_fp32_copy_per_rank():
     check_host_memory(1000, 4, "a model", available=16_000)
     with pytest.raises(ValueError, match=r"a model has 1,000 parameters; 5 ranks each build it"):
         check_host_memory(1000, 5, "a model", available=16_000)
+
+
+def test_expert_dispatch_follows_parallel_ep_chunks(monkeypatch: pytest.MonkeyPatch):
+    """``parallel.ep_chunks`` reaches the expert-parallel dispatch of the built-in MoE."""
+    import hyperparallel.train.model as moe_model
+
+    seen = []
+    monkeypatch.setattr(
+        moe_model, "apply_expert_parallel", lambda module, meshes, config: seen.append(config)
+    )
+    spec = model_spec(load_config(debug(), overrides=["parallel.ep_chunks=3"]))
+    spec.place_experts(nn.Identity(), meshes=None)
+    assert [config.chunks for config in seen] == [3]
+    with pytest.raises(ValueError, match="ep_chunks"):
+        load_config(debug(), overrides=["parallel.ep_chunks=0"])

@@ -275,8 +275,10 @@ class TransformersSpec(ModelSpec):
         if not isinstance(module, CausalLM):
             if not expert_modules(module, self.model.plan):
                 return []
-            return apply_hf_expert_parallel(module, self.model.plan, meshes)
-        return apply_hf_expert_parallel(module.model, self.model.plan, meshes)
+            return apply_hf_expert_parallel(module, self.model.plan, meshes, self.expert_dispatch())
+        return apply_hf_expert_parallel(
+            module.model, self.model.plan, meshes, self.expert_dispatch()
+        )
 
     def parallelize(
         self, module: nn.Module, meshes: MeshSet, device: torch.device

@@ -69,7 +69,7 @@ class MoESpec(ModelSpec):
         return MoETransformer(self.cfg.model).to(device)
 
     def place_experts(self, module: nn.Module, meshes: MeshSet) -> list[nn.Parameter]:
-        return apply_expert_parallel(module, meshes)
+        return apply_expert_parallel(module, meshes, self.expert_dispatch())
 
     def losses(self, module: nn.Module) -> Losses:
         def losses(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:

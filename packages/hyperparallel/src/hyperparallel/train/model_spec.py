@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.models.parallelize import apply_activation_memory, apply_fsdp
 from hyperparallel.optim.hybrid import Classifier
+from hyperparallel.parallel.expert import ExpertDispatchConfig
 from hyperparallel.parallel.mesh import MeshSet, ParallelDims
 from hyperparallel.parallel.pipeline import split_layers, stages_per_rank
 from hyperparallel.train.config import TrainConfig
@@ -92,6 +93,10 @@ class ModelSpec(ABC):
         than the check saves (the default: a model would have to be built, which takes seconds
         even on the meta device)."""
         return None
+
+    def expert_dispatch(self) -> ExpertDispatchConfig:
+        """How expert-parallel dispatch overlaps its all-to-alls (``parallel.ep_chunks``)."""
+        return ExpertDispatchConfig(chunks=self.cfg.parallel.ep_chunks)
 
     def classify(self, module: nn.Module) -> Classifier | None:
         """The optimizer's Muon / AdamW routing for ``module``; None: its default by shape."""
