@@ -287,20 +287,8 @@ class TransformersSpec(ModelSpec):
         each (experts placed, FSDP2 per block), under the configured schedule."""
         if meshes.pp is None:
             return super().parallelize(module, meshes, device)
-        lm, par = _causal_lm(module), self.cfg.parallel
-        weight = self.cfg.optim.balance_weight
-        pipeline = build_decoder_pipeline(
-            lm,
-            schedule=par.pp_schedule,
-            microbatches=par.microbatches,
-            virtual_stages=par.virtual_stages,
-            pp_mesh=meshes.pp,
-            device=device,
-            balance_weight=weight,
-            shard=lambda stage: self.shard(stage, meshes),
-            early_recompute=par.pp_early_recompute,
-        )
-        return ParallelModel(pipeline.view, meshes, None, pipeline, weight, classify=lm.classify)
+        lm = _causal_lm(module)
+        return self.pipelined(build_decoder_pipeline, lm, meshes, device, classify=lm.classify)
 
     def losses(self, module: nn.Module) -> Losses:
         """The CausalLM itself: ``(tokens, targets) -> (loss, the family's balance loss)``."""

@@ -86,17 +86,4 @@ class MoESpec(ModelSpec):
         if meshes.pp is None:
             return super().parallelize(module, meshes, device)
         assert isinstance(module, MoETransformer)
-        par = self.cfg.parallel
-        weight = self.cfg.optim.balance_weight
-        pipeline = build_pipeline(
-            module,
-            schedule=par.pp_schedule,
-            microbatches=par.microbatches,
-            virtual_stages=par.virtual_stages,
-            pp_mesh=meshes.pp,
-            device=device,
-            balance_weight=weight,
-            shard=lambda stage: self.shard(stage, meshes),
-            early_recompute=par.pp_early_recompute,
-        )
-        return ParallelModel(pipeline.view, meshes, None, pipeline, weight)
+        return self.pipelined(build_pipeline, module, meshes, device)

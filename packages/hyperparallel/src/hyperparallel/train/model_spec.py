@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -173,6 +174,32 @@ class ModelSpec(ABC):
             losses=self.losses(module),
             classify=self.classify(module),
         )
+
+    def pipelined(
+        self,
+        build: Callable[..., Any],
+        module: nn.Module,
+        meshes: MeshSet,
+        device: torch.device,
+        classify: Classifier | None = None,
+    ) -> ParallelModel:
+        """This rank's pipeline stages of ``module``, cut by ``build`` (the built-in MoE's or a
+        transformers decoder's stage builder) under the configured schedule, each stage
+        sharded by :meth:`shard`."""
+        par = self.cfg.parallel
+        weight = self.cfg.optim.balance_weight
+        pipeline = build(
+            module,
+            schedule=par.pp_schedule,
+            microbatches=par.microbatches,
+            virtual_stages=par.virtual_stages,
+            pp_mesh=meshes.pp,
+            device=device,
+            balance_weight=weight,
+            shard=lambda stage: self.shard(stage, meshes),
+            early_recompute=par.pp_early_recompute,
+        )
+        return ParallelModel(pipeline.view, meshes, None, pipeline, weight, classify=classify)
 
     def shard(self, module: nn.Module, meshes: MeshSet) -> None:
         """Under ep place the experts first, then FSDP2 / HSDP over ``meshes.dense``: one unit
