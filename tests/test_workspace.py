@@ -54,6 +54,15 @@ def test_readme_lists_every_package():
         assert f"`{package.name}`" in readme, package.name
 
 
+def test_readme_package_table_shows_each_current_version():
+    """The package table's last column is each member's version as its pyproject.toml says."""
+    readme = (ROOT / "README.md").read_text()
+    for package in PACKAGES:
+        row = re.search(rf"^\| \[`{re.escape(package.name)}`\].*\| ([^|]+) \|$", readme, re.M)
+        assert row, f"README.md package table lacks a row for {package.name}"
+        assert row.group(1).strip() == _project(package)["project"]["version"], package.name
+
+
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
 def test_package_layout_and_version(package):
     """Each member has its own version, changelog entry for it, README, src, tests, benchmarks."""
