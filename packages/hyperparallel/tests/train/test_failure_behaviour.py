@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +146,101 @@ def test_bad_input_is_refused_before_ranks_start(tmp_path, snapshot, args, messa
     lines = _lines(result)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert message.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert snapshot(tmp_path) == before
+    assert not (tmp_path / "run").exists()
+
+
+def _set_config(folder: Path, **fields) -> None:
+    """Change fields of the folder's config.json after its weights were saved."""
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _shard_the_weights(folder: Path) -> None:
+    """An index naming two shards, of which only the first is in the folder."""
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weight_map = {"a.weight": "model-00001-of-00002.safetensors"}
+    weight_map["b.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+PER_BLOCK = 21
+"""Tensors of one saved tiny Qwen3-MoE block: q, k, v, o, q_norm, k_norm, its two norms, the
+router, and gate, up and down of each of the 4 experts."""
+
+# (case id, how the saved model's folder is changed, expected one-line message)
+BAD_WEIGHTS = [
+    (
+        "other vocabulary",
+        lambda folder: _set_config(folder, vocab_size=96),
+        "do not fit its config.json: 2 tensor(s) of another shape (lm_head.weight: [64, 32] "
+        "in model.safetensors, [96, 32] from config.json; model.embed_tokens.weight: [64, 32] "
+        "in model.safetensors, [96, 32] from config.json)",
+    ),
+    (
+        "more layers in the config",
+        lambda folder: _set_config(folder, num_hidden_layers=3),
+        f"do not fit its config.json: {PER_BLOCK} missing (model.layers.2.",
+    ),
+    (
+        "fewer layers in the config",
+        lambda folder: _set_config(folder, num_hidden_layers=1),
+        f"do not fit its config.json: {PER_BLOCK} not in the model (model.layers.1.",
+    ),
+    (
+        "weights of another name only",
+        lambda folder: (folder / "model.safetensors").rename(folder / "adapter.safetensors"),
+        "holds none of model.safetensors, model.safetensors.index.json, pytorch_model.bin",
+    ),
+    (
+        "damaged header",
+        lambda folder: (folder / "model.safetensors").write_bytes(b"\xff" * 64),
+        "model.safetensors is not a safetensors file (header length 18446744073709551615 past",
+    ),
+    (
+        "missing shard",
+        _shard_the_weights,
+        "model.safetensors.index.json names 1 shard(s) the folder does not hold: "
+        "model-00002-of-00002.safetensors",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE saved by ``save_pretrained`` (per-expert tensors in the file, fused
+    stacks in the model): config.json and model.safetensors."""
+    import torch
+    import transformers
+
+    from packages.hyperparallel.tests.tiny_hf import QWEN3_MOE, TINY_HF_SHAPE
+
+    folder = tmp_path_factory.mktemp("saved-moe")
+    config = transformers.Qwen3MoeConfig(**TINY_HF_SHAPE, **QWEN3_MOE)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("change", "message"), [c[1:] for c in BAD_WEIGHTS], ids=[c[0] for c in BAD_WEIGHTS]
+)
+def test_weights_that_do_not_fit_the_config_are_refused_before_ranks_start(
+    tmp_path, snapshot, saved_moe, change, message
+):
+    """``--model`` a folder whose weight files do not fit its config.json (from_pretrained would
+    start the missing parameters random, or fail in every rank): exit 2, one line naming the
+    folder and the tensors, and nothing written; the unchanged folder passes the same check."""
+    folder = tmp_path / "model"
+    shutil.copytree(saved_moe, folder)
+    assert job.check(_cfg(tmp_path / "run", f"hf.source={str(folder)!r}")) == []
+    change(folder)
+    before = snapshot(tmp_path)
+    result = _invoke("--model", str(folder), "--out-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    (line,) = _lines(result)
+    assert line.startswith("error: --load-weights: ") and str(folder) in line, line
+    assert message in line, line
     assert snapshot(tmp_path) == before
     assert not (tmp_path / "run").exists()
 

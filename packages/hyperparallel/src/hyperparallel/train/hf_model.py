@@ -33,6 +33,7 @@ from hyperparallel.data.stdlib_bytes import ByteBatches
 from hyperparallel.data.tokens import encode, load_text
 from hyperparallel.models.families import FamilyPlan, UnknownArchitectureError, plan_for
 from hyperparallel.models.hf import CausalLM, build_causal_lm
+from hyperparallel.models.hf_weights import check_weights
 from hyperparallel.optim.hybrid import Classifier
 from hyperparallel.parallel.expert import check_divisible
 from hyperparallel.parallel.hf_expert import apply_hf_expert_parallel, expert_modules
@@ -231,6 +232,13 @@ class TransformersSpec(ModelSpec):
     @property
     def n_layers(self) -> int:
         return self.model.n_layers
+
+    def check_weights(self) -> None:
+        """With ``hf.load_weights``, the folder's weight files must fit its config: names and
+        shapes from their headers against the model built on the meta device
+        (:func:`hyperparallel.models.hf_weights.check_weights`)."""
+        if self.model.load_weights:
+            check_weights(self.model.folder, self.model.config)
 
     def check_model_layout(self, dims: ParallelDims) -> None:
         """pp needs an architecture its family cuts into stages; ep needs a MoE family whose

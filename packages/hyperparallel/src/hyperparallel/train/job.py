@@ -2,9 +2,10 @@
 
 ``hyperparallel train`` is this plus printing; other tools (``modelzoo train``) call
 :func:`run_job` directly instead of spawning the CLI. Everything a user can get wrong (mesh,
-data, ``--model``, a model too large for the machine, output folder, resume) is refused by
-:func:`check` and :func:`prepare` in one ``ValueError`` / ``FileNotFoundError`` line before
-anything is written and before any rank or process group exists.
+data, ``--model`` and its weight files, a model too large for the machine, output folder,
+resume) is refused by :func:`check` and :func:`prepare` in one ``ValueError`` /
+``FileNotFoundError`` line before anything is written and before any rank or process group
+exists.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def check(
         hyperparallel.train.checkpoint.CheckpointError: ``resume`` and no checkpoint loads.
     """
     spec = model_spec(cfg)
+    spec.check_weights()
     torchrun = is_torchrun()
     if not torchrun:  # under torchrun the world size is known only to the ranks
         spec.check_layout(parse_mesh(cfg.parallel.mesh, cfg.parallel.nproc))

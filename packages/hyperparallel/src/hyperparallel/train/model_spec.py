@@ -88,6 +88,15 @@ class ModelSpec(ABC):
     def losses(self, module: nn.Module) -> Losses:
         """The loss of the whole model built by :meth:`build_module`."""
 
+    def check_weights(self) -> None:
+        """Refuse initial weights the model cannot load, before any rank reads them (the
+        default: the weights are made, not loaded, so there is nothing to check).
+
+        Raises:
+            ValueError, FileNotFoundError: one line naming the files and what does not fit.
+        """
+        return None
+
     def parameter_count(self) -> tuple[int, str] | None:
         """``(parameters, the model and its size settings, for a message)`` without building
         the model, for the memory check before ranks start; None where counting costs more
