@@ -213,6 +213,8 @@ def train(
     name: Annotated[str, typer.Argument(help="Card id of a full LLM card.")],
     tiny: Annotated[bool, typer.Option(help=_TRAIN_FIELDS["tiny"].description)] = False,
     path: Annotated[Path | None, typer.Option(help=_TRAIN_FIELDS["path"].description)] = None,
+    full_size: Annotated[bool, typer.Option(help=_TRAIN_FIELDS["full_size"].description)] = False,
+    layers: Annotated[int | None, typer.Option(help=_TRAIN_FIELDS["layers"].description)] = None,
     nproc: Annotated[
         int | None, _job_option("parallel.nproc", "Local ranks (ignored under torchrun).")
     ] = None,
@@ -246,7 +248,8 @@ def train(
         Path | None,
         _job_option(
             "out_dir",
-            "Run folder: model/config.json (--tiny), metrics.json, loss.png, checkpoints.",
+            "Run folder: model/config.json (--tiny, --full-size), metrics.json, loss.png, "
+            "checkpoints.",
             "runs/train/<card>",
         ),
     ] = None,
@@ -284,9 +287,13 @@ def train(
     """Train a full LLM card with hyperparallel (FSDP2/HSDP, Muon + AdamW) and print a summary.
 
     e.g. `modelzoo train qwen3-0.6b --tiny --nproc 2 --steps 20` (the card's tiny shape, random
-    weights, offline: OUT/model/config.json is written and trained) or `modelzoo train qwen3-8b
-    --path ./Qwen3-8B --data corpus.jsonl` (the folder's weights and tokenizer). Writes
-    metrics.json, loss.png and DCP checkpoints into --out-dir (default runs/train/<card>).
+    weights, offline: OUT/model/config.json is written and trained), `modelzoo train qwen3-0.6b
+    --full-size` (the published shape, random weights, bytes as tokens: no card ships a
+    tokenizer; `--layers 2` keeps the first two layers) or `modelzoo train qwen3-8b --path
+    ./Qwen3-8B --data corpus.jsonl` (the folder's weights and tokenizer). Writes metrics.json,
+    loss.png and DCP checkpoints into --out-dir (default runs/train/<card>); the summary gives
+    the medians after the first step of tokens/s, forward + backward and optimizer ms, and
+    each rank's peak memory.
 
     The run is configured exactly as `hyperparallel train` configures it: --config and --set
     address its TrainConfig sections (data, optim, parallel, activation, ...), e.g. `--set
@@ -309,7 +316,8 @@ def train(
         for option, value in shortcuts.items():
             if value is not None:
                 set_dotted(job, JOB_FLAGS[option], str(value) if isinstance(value, Path) else value)
-        config = TrainOptions(tiny=tiny, path=path, job=job)
+        fields = {"tiny": tiny, "path": path, "full_size": full_size, "layers": layers}
+        config = TrainOptions.validate_tree({**fields, "job": job})
     except ConfigError as exc:
         fail(str(exc))
     try:

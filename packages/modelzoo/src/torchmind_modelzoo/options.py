@@ -79,11 +79,28 @@ class TrainOptions(StrictConfig):
         description="Local model folder (a copy of the hub repo): its weights are loaded and "
         "its tokenizer used; not with --tiny.",
     )
+    full_size: bool = Field(
+        False,
+        description="Train the card's real architecture (its published config) from random "
+        "weights, offline, with bytes as tokens (no card ships a tokenizer); not with --tiny "
+        "or --path.",
+    )
+    layers: int | None = Field(
+        None,
+        ge=1,
+        description="With --full-size: keep the first N decoder layers, every other dimension "
+        "as published (a real-proportion model that fits a small machine).",
+    )
     job: dict[str, Any] = Field(
         default_factory=dict,
         description="hyperparallel TrainConfig values, nested by section as there (e.g. "
         "{'data': {'global_batch_size': 8}}), over the card run's defaults (JOB_DEFAULTS).",
     )
+
+    @property
+    def random_weights(self) -> bool:
+        """Whether the card's shape is built from random weights (``--tiny``, ``--full-size``)."""
+        return self.tiny or self.full_size
 
 
 JOB_DEFAULTS: dict[str, Any] = {

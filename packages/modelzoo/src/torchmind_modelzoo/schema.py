@@ -167,6 +167,12 @@ class ModelCard(_Strict):
     tiny: dict[str, Any] = Field(
         default_factory=dict, description="Config overrides that make a tiny random-weight model."
     )
+    config: dict[str, Any] | None = Field(
+        None,
+        description="The published config.json's architecture values (what the library's config "
+        "class needs to build the real-size model; no tokenizer ids): `modelzoo train "
+        "--full-size` trains this shape from random weights, offline.",
+    )
     convert: ConvertConfig | None = Field(None, description="Conversion config (full cards).")
     example: ExampleConfig | None = Field(None, description="Inference example (full cards).")
 

@@ -2,7 +2,9 @@
 
 The card names a transformers ``*ForCausalLM`` class; with ``--tiny`` its config class, given
 the card's tiny overrides, is written as ``OUT/model/config.json`` and hyperparallel builds
-random weights from it; with ``--path`` the local folder's weights (and tokenizer) are used.
+random weights from it; ``--full-size`` does the same with the card's published config (bytes
+as tokens: no card ships a tokenizer); with ``--path`` the local folder's weights (and
+tokenizer) are used.
 The run is configured in hyperparallel's own ``TrainConfig`` sections (:func:`job_tree`), so
 ``--set data.global_batch_size=8`` means what it means to ``hyperparallel train``. The training
 itself is hyperparallel's ``train.job`` (its checks, then start), called in this process (it
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from npu_core.config import ConfigError, merge, set_dotted
+from npu_core.dist import is_torchrun
 from npu_core.env import launch_rank
 from npu_core.files import write_text_atomic
 from torchmind_modelzoo import registry
-from torchmind_modelzoo.build import LibraryMissingError, model_class, tiny_overrides
-from torchmind_modelzoo.checks import InputError, check_source
+from torchmind_modelzoo.build import LibraryMissingError, model_class
+from torchmind_modelzoo.checks import InputError
+from torchmind_modelzoo.model_shape import check_model_source, config_values
 from torchmind_modelzoo.options import JOB_DEFAULTS, TrainOptions
 from torchmind_modelzoo.schema import Category, ModelCard, Status
 
@@ -57,10 +63,12 @@ def _require_hyperparallel() -> None:
         )
 
 
-def write_tiny_config(card: ModelCard, folder: Path) -> Path:
-    """The card's architecture with its tiny overrides as ``folder/config.json``; returns it."""
+def write_model_config(card: ModelCard, options: TrainOptions, folder: Path) -> Path:
+    """The card's architecture in the shape ``options`` choose (tiny, or published with
+    ``--layers``; :func:`~torchmind_modelzoo.model_shape.config_values`) as
+    ``folder/config.json``; returns it."""
     cls: Any = model_class(card)  # a transformers *ForCausalLM (check_trainable)
-    config = cls.config_class(**tiny_overrides(card))
+    config = cls.config_class(**config_values(card, options))
     config.architectures = [card.architecture]
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
@@ -82,8 +90,8 @@ def job_tree(card: ModelCard, options: TrainOptions) -> dict[str, Any]:
     for key in ("source", "load_weights"):
         if isinstance(hf, dict) and key in hf:
             raise InputError(
-                f"hf.{key}={hf[key]!r}: a card run trains the card's model (--tiny) or --path "
-                "DIR; leave hf.source and hf.load_weights out"
+                f"hf.{key}={hf[key]!r}: a card run trains the card's model (--tiny, "
+                "--full-size) or --path DIR; leave hf.source and hf.load_weights out"
             )
     tree = copy.deepcopy(JOB_DEFAULTS)
     tree["out_dir"] = str(Path("runs") / "train" / card.id)
@@ -109,7 +117,7 @@ def train_config(card: ModelCard, options: TrainOptions, model: Path) -> Any:
 
     tree = job_tree(card, options)
     _set_key(tree, "hf.source", str(model))
-    _set_key(tree, "hf.load_weights", not options.tiny)
+    _set_key(tree, "hf.load_weights", not options.random_weights)
     try:  # an unknown key's line lists the fields of its section (npu_core.config)
         return TrainConfig.validate_tree(tree)
     except ConfigError as exc:
@@ -133,7 +141,8 @@ def _set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 MODEL = "model"
-"""The out-dir entry holding a ``--tiny`` run's ``config.json`` (recorded as the run's own)."""
+"""The out-dir entry holding a ``--tiny`` or ``--full-size`` run's ``config.json`` (recorded as
+the run's own)."""
 
 Warn = Callable[[str], None]
 
@@ -145,14 +154,17 @@ class PreparedRun:
     Attributes:
         card: the card being trained.
         config: hyperparallel's validated ``TrainConfig`` (``hf.source`` is :attr:`model`).
-        model: the trained model's ``config.json`` (``--tiny``) or folder (``--path``).
+        model: the trained model's ``config.json`` (``--tiny``, ``--full-size``) or folder
+            (``--path``).
         resume: whether the run continues the one in its out-dir.
+        full_size: whether the model is the card's published shape (``--full-size``).
     """
 
     card: ModelCard
     config: Any
     model: Path
     resume: bool
+    full_size: bool = False
 
     @property
     def out_dir(self) -> Path:
@@ -172,7 +184,8 @@ def prepare(
     """Check everything hyperparallel's job checks, then ready the out-dir; nothing is written
     before the last check has passed.
 
-    With ``--tiny`` the model's config.json is the run's own file in the out-dir, but the checks
+    With ``--tiny`` or ``--full-size`` the model's config.json is the run's own file in the
+    out-dir, but the checks
     need it to read the model: a new run's is built in a temporary folder outside the out-dir,
     checked there, and written into the out-dir only afterwards. A resumed run keeps the
     config.json it was trained with.
@@ -188,24 +201,28 @@ def prepare(
         LibraryMissingError: hyperparallel or transformers is not installed.
     """
     check_trainable(card)
-    check_source(card, tiny=options.tiny, path=options.path)
+    check_model_source(card, options)
     _require_hyperparallel()
     out = Path(str(job_tree(card, options)["out_dir"]))
     checks = {"resume": resume, "overwrite": overwrite, "allow_config_change": allow_config_change}
-    model = out / MODEL / "config.json" if options.tiny else Path(options.path or "")
-    entries = (MODEL,) if options.tiny else ()
-    if options.tiny and not (resume and not overwrite):  # a new run: its model is built here
-        with tempfile.TemporaryDirectory(prefix="modelzoo-tiny-") as staging:
-            staged = write_tiny_config(card, Path(staging))
+    built = options.random_weights
+    model = out / MODEL / "config.json" if built else Path(options.path or "")
+    entries = (MODEL,) if built else ()
+    if built and not (resume and not overwrite):  # a new run: its model is built here
+        with tempfile.TemporaryDirectory(prefix="modelzoo-model-") as staging:
+            staged = write_model_config(card, options, Path(staging))
             staged_cfg = train_config(card, options, staged)
+            if options.full_size:
+                _check_host_memory(card, options, staged, staged_cfg.parallel.nproc)
             messages = _check_job(staged_cfg, checks, shown={str(staged): str(model)})
             cfg = train_config(card, options, model)
             _prepare_out_dir(cfg, entries, checks)
             _install(staged, model)
     else:
-        if options.tiny and not model.is_file():
+        if built and not model.is_file():
+            flag = "--full-size" if options.full_size else "--tiny"
             raise InputError(
-                f"--resume: {out} holds no --tiny run to continue ({model} is missing); run "
+                f"--resume: {out} holds no {flag} run to continue ({model} is missing); run "
                 "without --resume to start a new run"
             )
         cfg = train_config(card, options, model)
@@ -214,7 +231,32 @@ def prepare(
     if warn is not None and launch_rank() == 0:
         for message in messages:
             warn(message)
-    return PreparedRun(card=card, config=cfg, model=model, resume=resume)
+    return PreparedRun(
+        card=card, config=cfg, model=model, resume=resume, full_size=options.full_size
+    )
+
+
+def _check_host_memory(
+    card: ModelCard, options: TrainOptions, config_json: Path, nproc: int
+) -> None:
+    """A published-size model must fit the machine once per local rank in fp32 (every rank
+    builds it whole before sharding): counted on the meta device, refused before any rank
+    starts, naming --layers as the way to keep its proportions in less memory."""
+    import torch
+    import transformers
+
+    from hyperparallel.train.memory import check_host_memory
+
+    config = transformers.AutoConfig.from_pretrained(config_json.parent, local_files_only=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    ranks = 1 if is_torchrun() else nproc
+    layers = f", --layers {options.layers}" if options.layers is not None else ""
+    try:
+        check_host_memory(parameters, ranks, f"{card.id} (--full-size{layers})")
+    except ValueError as exc:
+        raise InputError(f"{exc}, or --layers N to keep N layers at the published width") from None
 
 
 def _check_job(cfg: Any, checks: dict[str, bool], shown: dict[str, str] | None = None) -> list[str]:
@@ -287,15 +329,43 @@ def start(run: PreparedRun, *, progress: bool = True) -> dict[str, Any]:
         "card": run.card.id,
         "architecture": run.card.architecture,
         "model": str(run.model),
-        "tiny": not cfg.hf.load_weights,
+        "tiny": not cfg.hf.load_weights and not run.full_size,
+        "full_size": run.full_size,
         "nproc": cfg.parallel.nproc,
         "mesh": cfg.parallel.mesh,
         "steps": [first.first_step, first.last_step],
         "losses": first.train_losses,
         "val_loss": first.val_losses[-1] if first.val_losses else None,
+        "step_medians": step_medians(run.out_dir / "metrics.json", first.first_step),
         "seconds": round(time.perf_counter() - started, 3),
         "out_dir": str(run.out_dir),
     }
+
+
+STEP_MEDIAN_KEYS = ("tokens_per_s", "backward_ms", "optim_ms")
+"""The step records of metrics.json that the summary gives as medians."""
+
+
+def step_medians(metrics: Path, first_step: int) -> dict[str, Any]:
+    """Medians of this run's step records after its first step (which pays for warming caches
+    and building communicators), from rank 0's ``metrics.json``: tokens/s, forward + backward
+    ms (``backward_ms``), optimizer ms, and each rank's peak memory in MiB (the device's peak
+    allocated memory, on CPU the rank process's peak resident set).
+
+    Args:
+        metrics: the run's ``metrics.json``.
+        first_step: the step the run started from (0, or the resumed checkpoint's).
+    """
+    records = [r for r in json.loads(metrics.read_text())["train"] if r["step"] > first_step]
+    timed = records[1:] or records
+    if not timed:
+        return {}
+    medians: dict[str, Any] = {"steps": f"{timed[0]['step']}-{timed[-1]['step']}"}
+    for key in STEP_MEDIAN_KEYS:
+        medians[key] = round(statistics.median(r[key] for r in timed), 1)
+    ranks = zip(*(r["peak_memory_mb"] for r in timed), strict=True)
+    medians["peak_memory_mb"] = [round(statistics.median(rank), 1) for rank in ranks]
+    return medians
 
 
 def train(
