@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from hyperparallel.train.parallel_model import ParallelModel
 from hyperparallel.train.profiling import StepProfiler
 from hyperparallel.train.registry import model_spec
 from npu_core.device import comm_backend, detect_backend, device_for_rank, device_module
+from npu_core.memory import memory_stats, reset_peak_memory_stats
 
 StepCallback = Callable[[dict[str, float]], None]
 
@@ -74,6 +76,15 @@ def _mean_over_ranks(value: torch.Tensor | float | None, device: torch.device) -
         t[0], t[1] = float(value), 1.0
     dist.all_reduce(t)
     return (t[0] / t[1]).item()
+
+
+def _every_rank(value: float, device: torch.device) -> list[float]:
+    """``value`` of every rank, in rank order (gathered on ``device``, as in
+    :func:`_mean_over_ranks`)."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.item() for t in every]
 
 
 def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = None) -> TrainResult:
@@ -135,6 +146,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
         groups = [group for opt in inner for group in opt.param_groups]
         for group, base in zip(groups, base_lrs, strict=True):
             group["lr"] = base * lr_factor(step, cfg)
+        reset_peak_memory_stats(device)
         began = time.perf_counter()
         with profiler.step(step + 1):
             inputs, targets = data.train_batch(step, dp_rank, batch)
@@ -147,9 +159,10 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             optimizer.zero_grad(set_to_none=True)
             step_done = time.perf_counter()  # before a profiled step writes its trace
             optim_ms = (step_done - opt_began) * 1e3
+            peak_bytes = memory_stats(device).peak_allocated_bytes
         mean_loss = _mean_over_ranks(loss, device)
         train_losses.append(mean_loss)
-        record = {
+        record: dict[str, Any] = {
             "step": step + 1,
             "loss": mean_loss,
             "lr_factor": lr_factor(step, cfg),
@@ -159,6 +172,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             "saved_device_mb": saved.device_bytes / 2**20,
             "saved_host_mb": saved.host_bytes / 2**20,
             "saved_recomputed_mb": saved.recomputed_bytes / 2**20,
+            "peak_memory_mb": _every_rank(peak_bytes / 2**20, device),
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record["val_loss"] = _validate(net, data, dp_rank, batch, cfg, device)
