@@ -9,6 +9,9 @@ A checkpoint that was complete can still be damaged later (a truncated copy, a d
 full disk during a sync). So each one carries a manifest of its files with sizes and SHA-256
 digests, written last, and :func:`latest` returns the newest checkpoint whose files match it,
 naming every newer one it skipped and why, instead of failing deep inside DCP on the first.
+
+After each save, :func:`prune` keeps the newest ``keep`` step folders (``--keep-checkpoints``)
+and never removes the newest intact one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ from npu_core.files import sha256_file, write_text_atomic
 LATEST = "latest"
 MANIFEST = "manifest.json"
 _STEP_FOLDER = re.compile(r"step_(\d{7})")
+_STAGING_FOLDER = re.compile(r"\.tmp-step_\d{7}")
 
 
 class CheckpointError(RuntimeError):
@@ -48,8 +53,20 @@ def _name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def save(root: Path, step: int, model: nn.Module, optimizers: tuple[Optimizer, ...]) -> Path:
+def save(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizers: tuple[Optimizer, ...],
+    *,
+    keep: int,
+    warn: Callable[[str], None],
+) -> Path:
     """Write model and optimizer state for ``step`` under ``root``; collective over all ranks.
+
+    Once it is in place, rank 0 removes older checkpoints beyond the newest ``keep``
+    (:func:`prune`, which passes its warnings to ``warn``) while the other ranks wait, so the
+    next step never runs beside a half-removed folder.
 
     Raises:
         OSError: a write failed (e.g. ENOSPC, on any rank: DCP tells every rank); the staging
@@ -84,6 +101,7 @@ def save(root: Path, step: int, model: nn.Module, optimizers: tuple[Optimizer, .
             shutil.rmtree(staging, ignore_errors=True)
             raise
         write_text_atomic(root / LATEST, final.name)
+        prune(root, keep, written=final, warn=warn)
     dist.barrier()
     return final
 
@@ -134,6 +152,15 @@ def has_checkpoints(root: Path) -> bool:
     return root.is_dir() and any(_STEP_FOLDER.fullmatch(p.name) for p in root.iterdir())
 
 
+def _step_folders(root: Path) -> list[Path]:
+    """The step folders under ``root``, newest first (the zero-padded names sort by step)."""
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and _STEP_FOLDER.fullmatch(p.name)),
+        key=lambda p: p.name,
+        reverse=True,
+    )
+
+
 def latest(root: Path) -> Path | None:
     """The newest checkpoint under ``root`` whose files match its manifest, or None.
 
@@ -142,13 +169,8 @@ def latest(root: Path) -> Path | None:
     """
     if not root.is_dir():
         return None
-    folders = sorted(
-        (p for p in root.iterdir() if p.is_dir() and _STEP_FOLDER.fullmatch(p.name)),
-        key=lambda p: p.name,
-        reverse=True,
-    )
     skipped: list[str] = []
-    for folder in folders:
+    for folder in _step_folders(root):
         fault = verify(folder)
         if fault is None:
             if skipped:
@@ -163,6 +185,61 @@ def latest(root: Path) -> Path | None:
     if skipped:
         raise CheckpointError(f"no checkpoint under {root} can be loaded: " + "; ".join(skipped))
     return None
+
+
+def prune(root: Path, keep: int, *, written: Path, warn: Callable[[str], None]) -> None:
+    """Remove the step folders under ``root`` older than the newest ``keep``, and the staging
+    folders of crashed saves; rank 0, right after ``written`` was saved.
+
+    What remains always holds the newest intact checkpoint: when the newest ``keep`` are all
+    damaged (newer ones a resumed run skipped), the newest intact one below them stays as well,
+    and ``warn`` receives a message naming each fault. ``written`` is intact by construction
+    (its manifest was made from the files just written), so checkpoints are hashed only when
+    ``keep`` or more step folders are newer than it; a run that saves in step order hashes
+    nothing here.
+
+    Nothing else is touched: files of the user's, other names, and step folders that are
+    symlinks (not this run's to remove) stay. A folder that cannot be removed is passed to
+    ``warn`` and the run goes on.
+
+    Raises:
+        ValueError: ``keep`` below 1 (the newest checkpoint is always kept).
+    """
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least 1 checkpoint is kept")
+    folders = [p for p in _step_folders(root) if not p.is_symlink()]
+    kept = {p.name for p in folders[:keep]}
+    if written.name not in kept:
+        intact, faults = _newest_intact(folders, written)
+        if intact is not None and intact.name not in kept:
+            kept.add(intact.name)
+            warn(
+                f"keeping {intact.name} beyond keep_checkpoints={keep}: it is the newest "
+                "intact checkpoint and every newer one is damaged: " + "; ".join(faults)
+            )
+    doomed = [p for p in folders if p.name not in kept]
+    doomed += [
+        p
+        for p in root.iterdir()
+        if _STAGING_FOLDER.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+    ]
+    for folder in doomed:
+        try:
+            shutil.rmtree(folder)
+        except OSError as exc:
+            warn(f"could not remove old checkpoint {folder}: {exc}")
+
+
+def _newest_intact(folders: list[Path], written: Path) -> tuple[Path | None, list[str]]:
+    """The first of ``folders`` (newest first) that verifies, ``written`` counting as intact
+    unhashed, and the faults of the damaged ones before it."""
+    faults: list[str] = []
+    for folder in folders:
+        fault = None if folder.name == written.name else verify(folder)
+        if fault is None:
+            return folder, faults
+        faults.append(f"{folder.name}: {fault}")
+    return None, faults
 
 
 def load(path: Path, model: nn.Module, optimizers: tuple[Optimizer, ...]) -> int:

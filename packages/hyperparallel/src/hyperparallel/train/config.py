@@ -174,6 +174,12 @@ class TrainConfig(_Strict):
     eval_every: int = Field(50, ge=1, description="Steps between validation passes.")
     eval_batches: int = Field(4, ge=1, description="Held-out batches per validation pass.")
     checkpoint_every: int = Field(50, ge=1, description="Steps between DCP checkpoints.")
+    keep_checkpoints: int = Field(
+        3,
+        ge=1,
+        description="Newest checkpoints kept; older ones are removed after each save. The newest "
+        "intact one always stays, even beyond this count when the newer ones are damaged.",
+    )
     out_dir: str = Field("runs/train", description="Checkpoints, metrics.json and loss.png.")
     seed: int = Field(0, description="Seed of weights and data order (same on every rank).")
     profile_steps: str = Field(

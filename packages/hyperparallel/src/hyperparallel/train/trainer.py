@@ -184,7 +184,9 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
             if on_step is not None:
                 on_step(record)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            checkpoint.save(ckpt_root, step + 1, net.owner, inner)
+            checkpoint.save(
+                ckpt_root, step + 1, net.owner, inner, keep=cfg.keep_checkpoints, warn=_warn
+            )
             if rank == 0:
                 log.write(out / "metrics.json", cfg.model_dump())
     if rank == 0:
@@ -212,6 +214,12 @@ def _say_what_start_up_waits_for(handle: mccl.InitHandle, timeout_s: float) -> N
         waiting_for = handle.waiting_for()
         if waiting_for is not None:
             print(f"waiting for {waiting_for} (timeout {timeout_s:g} s)", file=sys.stderr)
+
+
+def _warn(message: str) -> None:
+    """A ``warning:`` line on stderr, as the CLI prints its own (here from rank 0, which
+    removes old checkpoints after a save)."""
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _resume(root: Path, model: torch.nn.Module, optimizers: tuple, steps: int) -> int:
