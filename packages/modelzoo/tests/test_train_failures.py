@@ -9,12 +9,16 @@ whose rank 1 raises, so the test sees what a user sees without a training run.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 from typer.testing import CliRunner
 
 from npu_core.dist import launch
+from torchmind_modelzoo import registry
 from torchmind_modelzoo.cli import app
 
 TRAIN = ["train", "qwen3-0.6b", "--tiny", "--out-dir", "tr"]
@@ -77,6 +81,26 @@ def test_a_model_folder_of_the_users_is_neither_overwritten_nor_removed(
         tmp_path,
         "--out-dir tr holds model, which this run would write into but did not create",
     )
+
+
+def test_a_path_whose_weights_do_not_fit_its_config_writes_nothing(tmp_path, monkeypatch):
+    """``--path`` a folder whose config.json was changed after its weights were saved (two
+    layers saved, three configured): refused by hyperparallel's weight check before any rank
+    starts, naming the folder and counting the tensors that would start random."""
+    monkeypatch.chdir(tmp_path)
+    card = registry.get("qwen3-0.6b")
+    config = getattr(transformers, card.architecture).config_class(**card.tiny)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "saved")
+    settings = json.loads((tmp_path / "saved" / "config.json").read_text())
+    settings.update(num_hidden_layers=3, layer_types=["full_attention"] * 3)
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(settings))
+    # one block: q, k, v, o, q_norm, k_norm, two norms, gate, up, down
+    expected = "do not fit its config.json: 11 missing (model.layers.2."
+    _refused(
+        ["train", "qwen3-0.6b", "--path", "saved", "--out-dir", "tr", *SMALL], tmp_path, expected
+    )
+    assert not (tmp_path / "tr").exists()
 
 
 def _fault_in_rank_one() -> str:

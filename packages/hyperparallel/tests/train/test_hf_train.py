@@ -212,6 +212,12 @@ def test_expert_parallel_resume_is_exact(tiny_moe: Path, ep_run, tmp_path: Path)
             "--model {gqa}: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
         ),
         (
+            ["--model", "{layers}"],
+            "config.json is not a transformers config (Class validation error for validator "
+            "'validate_layer_type': ValueError: `num_hidden_layers` (3) must be equal to the "
+            "number of `layer_types` (2))",
+        ),
+        (
             ["--model", "{dense}", "--set", "hf.overrides={{num_key_value_heads=3}}"],
             "num_attention_heads=4 is not a multiple of num_key_value_heads=3",
         ),
@@ -230,6 +236,10 @@ def test_bad_model_settings_are_refused_in_one_line(
     transformers.Qwen3Config(**{**tiny_hf_shape, "num_key_value_heads": 3}).save_pretrained(gqa)
     names = {"tmp": tmp_path, "moe": tiny_moe, "gpt2": gpt2, "moe3": moe3, "dense": dense}
     names["gqa"] = gqa
+    names["layers"] = layers = tmp_path / "layers"  # edited by hand: one more layer, no type
+    transformers.Qwen3Config(**tiny_hf_shape).save_pretrained(layers)
+    edited = {**json.loads((layers / "config.json").read_text()), "num_hidden_layers": 3}
+    (layers / "config.json").write_text(json.dumps(edited))
     out = tmp_path / "out"
     argv = ["train", "--preset", "debug", "--nproc", "2", "--out-dir", str(out)]
     argv += [a.format(**names) for a in args]

@@ -113,10 +113,10 @@ def resolve(cfg: TrainConfig) -> HFModel:
         )
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:  # the config classes validate with huggingface_hub's own errors
+        reason = " ".join(str(exc).split()) or type(exc).__name__
         raise ValueError(
-            f"--model {source}: config.json is not a transformers config ({first})"
+            f"--model {source}: config.json is not a transformers config ({reason})"
         ) from None
     architecture = _causal_lm_class(config, source)
     try:
