@@ -236,25 +236,59 @@ class ShardedNewtonSchulz:
     ) -> tuple[int, ...]:
         # Start from the dense work each replica of this rank already has when the dense
         # matrices are spread over the same replicate group (HSDP), so the sum is balanced.
-        start = [0] * layout.replicas
-        for pipeline in pipelines:
-            rows = pipeline.layout
-            if rows.replicate_group is layout.replicate_group:
-                for replica in range(layout.replicas):
-                    start[replica] += pipeline.plan.load.get((replica, rows.shard_rank), 0)
-        costs = [MatrixSpec(0, local[i].shape[1], local[i].shape[2]).ns_cost for i, _ in items]
-        key = (tuple(costs), tuple(start))
+        start = replica_start_load(
+            [
+                (pipeline.plan, pipeline.layout.shard_rank)
+                for pipeline in pipelines
+                if pipeline.layout.replicate_group is layout.replicate_group
+            ],
+            layout.replicas,
+        )
+        shapes = [(local[i].shape[1], local[i].shape[2]) for i, _ in items]
+        key = (tuple(shapes), tuple(start))
         if key not in self._spreads:
-            self._spreads[key] = spread_over_replicas(costs, layout.replicas, start)
+            self._spreads[key] = spread_experts(shapes, layout.replicas, start)
         return self._spreads[key]
 
     def _plan(self, shapes: dict[int, tuple[int, int]], layout: ShardLayout) -> MuonPlan:
         replicas = 1 if layout.replicate_group is None else layout.replicate_group.size()
         key = (tuple(sorted(shapes.items())), layout.shard_size, replicas, self.batch_bytes)
         if key not in self._plans:
-            specs = [MatrixSpec(i, rows, cols) for i, (rows, cols) in shapes.items()]
-            self._plans[key] = build_plan(specs, layout.shard_size, replicas, self.batch_bytes)
+            self._plans[key] = plan_rows(shapes, layout.shard_size, replicas, self.batch_bytes)
         return self._plans[key]
+
+
+def row_matrix(shape: Sequence[int]) -> tuple[int, int]:
+    """The 2-D view NS orthogonalises of a row-sharded update: ``(rows, trailing dims)``."""
+    return shape[0], math.prod(shape[1:])
+
+
+def plan_rows(
+    shapes: dict[int, tuple[int, int]], shard_size: int, replicas: int, batch_bytes: int | None
+) -> MuonPlan:
+    """The owner plan of one layout's row-sharded matrices (``index -> (rows, cols)``), as
+    every rank of the layout builds it (pure: the planner calls it for any world size)."""
+    specs = [MatrixSpec(i, rows, cols) for i, (rows, cols) in shapes.items()]
+    return build_plan(specs, shard_size, replicas, batch_bytes)
+
+
+def replica_start_load(plans: Sequence[tuple[MuonPlan, int]], replicas: int) -> list[int]:
+    """NS cost each replica of a rank already carries from the dense plans spread over the same
+    replicate group: ``plans`` holds each such plan with the rank's shard rank in it."""
+    start = [0] * replicas
+    for plan, shard_rank in plans:
+        for replica in range(replicas):
+            start[replica] += plan.load.get((replica, shard_rank), 0)
+    return start
+
+
+def spread_experts(
+    shapes: Sequence[tuple[int, int]], replicas: int, start: Sequence[int]
+) -> tuple[int, ...]:
+    """Which replica orthogonalises each of a rank's local expert matrices (``(M, N)`` each, in
+    the engine's order: parameters, then experts), balanced on top of ``start``."""
+    costs = [MatrixSpec(0, rows, cols).ns_cost for rows, cols in shapes]
+    return spread_over_replicas(costs, replicas, start)
 
 
 class _RowsPipeline:
@@ -269,7 +303,7 @@ class _RowsPipeline:
         layout: ShardLayout,
     ) -> None:
         self.engine, self.layout = engine, layout
-        shapes = {i: (updates[i].shape[0], math.prod(updates[i].shape[1:])) for i in indices}
+        shapes = {i: row_matrix(updates[i].shape) for i in indices}
         self.plan = engine._plan(shapes, layout)
         local_rows = {i: updates[i].to_local().reshape(-1, shapes[i][1]).float() for i in indices}
         self.exchanges = [

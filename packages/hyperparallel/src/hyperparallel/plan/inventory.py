@@ -146,8 +146,23 @@ def mesh_coords(dims: ParallelDims, rank: int) -> dict[str, int]:
     return {name: coords[name] for name in MESH_DIMS}
 
 
-def model_inventory(cfg: TrainConfig, dims: ParallelDims) -> Inventory:
-    """Build the job's model on the meta device and list its parameters under ``dims``.
+@dataclass(frozen=True)
+class MetaModel:
+    """The job's model built on the meta device, with its spec and the checked layout.
+
+    Attributes:
+        spec: the job's model spec for the configuration.
+        module: the whole model (meta tensors: real shapes, no storage).
+        local_batch: samples per data-parallel rank per step (from the job's layout check).
+    """
+
+    spec: ModelSpec
+    module: nn.Module
+    local_batch: int
+
+
+def build_meta_model(cfg: TrainConfig, dims: ParallelDims) -> MetaModel:
+    """Check ``dims`` as the job does, then build its model on the meta device.
 
     The layout is checked first, by the job's own checks (the same one-line refusals as
     ``hyperparallel train``); no weights are read (``hf.load_weights`` is ignored).
@@ -160,9 +175,29 @@ def model_inventory(cfg: TrainConfig, dims: ParallelDims) -> Inventory:
     local_batch = spec.check_layout(dims)
     with torch.device("meta"):
         module = spec.build_module(torch.device("meta"))
+    return MetaModel(spec, module, local_batch)
+
+
+def make_stage(meta: MetaModel, layers: range, first: bool, last: bool) -> nn.Module:
+    """The job's pipeline stage module over blocks ``layers`` (without the balance loss)."""
+    if isinstance(meta.spec, TransformersSpec):
+        assert isinstance(meta.module, CausalLM)
+        return DecoderStage(meta.module, layers, first, last, 0.0)
+    assert isinstance(meta.module, MoETransformer)
+    return StageModule(meta.module, layers, first, last, 0.0)
+
+
+def model_inventory(cfg: TrainConfig, dims: ParallelDims) -> Inventory:
+    """List the parameters of the job's model (:func:`build_meta_model`) under ``dims``.
+
+    Raises:
+        ValueError, FileNotFoundError: a configuration or layout the job refuses.
+    """
+    meta = build_meta_model(cfg, dims)
+    spec, module, local_batch = meta.spec, meta.module, meta.local_batch
     n_stages = spec.pipeline_stages(dims) if dims.pp > 1 else 1
     ranges = tuple(split_layers(spec.n_layers, n_stages))
-    stage_of = _stage_of_params(spec, module, ranges)
+    stage_of = _stage_of_params(meta, ranges)
     unit_of = _fsdp_units(module)
     stacks = _expert_stacks(spec, module)
     routing = route_parameters(module, spec.classify(module))
@@ -205,23 +240,14 @@ def model_inventory(cfg: TrainConfig, dims: ParallelDims) -> Inventory:
     )
 
 
-def _stage_of_params(
-    spec: ModelSpec, module: nn.Module, ranges: tuple[range, ...]
-) -> dict[int, int]:
+def _stage_of_params(meta: MetaModel, ranges: tuple[range, ...]) -> dict[int, int]:
     """``id(param) -> stage`` from the job's own stage modules (a single stage without pp)."""
     if len(ranges) == 1:
         return {}
     last = len(ranges) - 1
     stage_of: dict[int, int] = {}
     for index, layers in enumerate(ranges):
-        first, final = index == 0, index == last
-        stage: nn.Module
-        if isinstance(spec, TransformersSpec):
-            assert isinstance(module, CausalLM)
-            stage = DecoderStage(module, layers, first, final, 0.0)
-        else:
-            assert isinstance(module, MoETransformer)
-            stage = StageModule(module, layers, first, final, 0.0)
+        stage = make_stage(meta, layers, index == 0, index == last)
         for param in stage.parameters():
             stage_of.setdefault(id(param), index)
     return stage_of
