@@ -22,7 +22,7 @@ math fallback the meta device would otherwise take.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -237,6 +237,28 @@ def run_block(
         for handle in handles:
             handle.remove()
     return saved, mode
+
+
+def run_model(forward: Callable[[], object]) -> ActivationBytes:
+    """What ``forward()`` (meta tensors, outside any checkpointed region) saves for backward:
+    every storage once, on the device."""
+    mode = _BlockForward(Counter())
+    placed: dict[tuple, tuple[int, str]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not is_parameter_like(t):
+            placed.setdefault(("kept", _storage(t)), (t.untyped_storage().nbytes(), "device"))
+            mode.keep.append(t)
+        return t
+
+    with (
+        _FusedAttention(),
+        mode,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.enable_grad(),
+    ):
+        forward()
+    return _sum(placed)
 
 
 def apply_policy(

@@ -187,13 +187,16 @@ def make_stage(meta: MetaModel, layers: range, first: bool, last: bool) -> nn.Mo
     return StageModule(meta.module, layers, first, last, 0.0)
 
 
-def model_inventory(cfg: TrainConfig, dims: ParallelDims) -> Inventory:
-    """List the parameters of the job's model (:func:`build_meta_model`) under ``dims``.
+def model_inventory(
+    cfg: TrainConfig, dims: ParallelDims, meta: MetaModel | None = None
+) -> Inventory:
+    """List the parameters of the job's model (:func:`build_meta_model`, or ``meta`` when it
+    was built already for ``cfg`` and ``dims``) under ``dims``.
 
     Raises:
         ValueError, FileNotFoundError: a configuration or layout the job refuses.
     """
-    meta = build_meta_model(cfg, dims)
+    meta = meta or build_meta_model(cfg, dims)
     spec, module, local_batch = meta.spec, meta.module, meta.local_batch
     n_stages = spec.pipeline_stages(dims) if dims.pp > 1 else 1
     ranges = tuple(split_layers(spec.n_layers, n_stages))
