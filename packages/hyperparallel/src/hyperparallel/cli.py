@@ -1,4 +1,5 @@
-"""``hyperparallel train``: the MoE transformer on a named mesh (FSDP2, HSDP, EP, PP), Muon."""
+"""``hyperparallel train``: the MoE transformer on a named mesh (FSDP2, HSDP, EP, PP), Muon;
+``hyperparallel plan``: what such a run needs at any world size."""
 
 from __future__ import annotations
 
@@ -134,6 +135,69 @@ def train(
     console.print(
         f"wrote {cfg.out_dir}/metrics.json, {cfg.out_dir}/loss.png, {cfg.out_dir}/checkpoints"
     )
+
+
+PLAN_FLAGS = {
+    "parallel.mesh": "--mesh",
+    "parallel.pp_schedule": "--pp-schedule",
+    "parallel.microbatches": "--microbatches",
+    "activation.policy": "--activation",
+    "activation.swap_inputs": "--swap-inputs",
+    "hf.source": "--model",
+}
+"""The train options a plan reads under the same names (the rest stay reachable by --set)."""
+
+
+@app.command()
+@config_options(TrainConfig, flags=PLAN_FLAGS, base=_preset)
+def plan(
+    config: TrainConfig,
+    world: Annotated[int, typer.Option(help="Ranks of the run (8 to 16,384 and beyond).")],
+    preset: Annotated[
+        str, typer.Option(help=f"Base configuration: {', '.join(PRESETS)}.")
+    ] = "default",
+    device: Annotated[
+        str,
+        typer.Option(
+            help="Device profile of the estimate: h100, h200, ascend-910b, cpu "
+            "(measured here) or a .toml file."
+        ),
+    ] = "h100",
+    search: Annotated[
+        bool, typer.Option(help="List the meshes of --world that fit, fastest first.")
+    ] = False,
+    device_memory: Annotated[
+        str | None,
+        typer.Option(help="Memory per rank for --search, e.g. 80GiB (default: the device's)."),
+    ] = None,
+    efficiency: Annotated[
+        float | None,
+        typer.Option(
+            help="Fraction of peak FLOP/s the compute reaches (default 0.5, 1.0 for cpu)."
+        ),
+    ] = None,
+) -> None:
+    """Predict what a `hyperparallel train` run needs at --world ranks, from the job's own code:
+    per-rank parameter, gradient, optimizer and saved-activation bytes and the peak; bytes per
+    collective and mesh dimension; Newton-Schulz work per rank and its balance; a step-time
+    estimate. The model is built on the meta device (no memory): --model PATH for a
+    transformers config at its real size, else the built-in MoE. A mesh the job refuses is
+    refused here in the same words, e.g. `--world 1024 --mesh pp=8,ep=8,dp_shard=16`.
+    """
+    from hyperparallel.plan.command import run_plan
+
+    try:
+        run_plan(
+            config,
+            world,
+            device=device,
+            search=search,
+            device_memory=device_memory,
+            efficiency=efficiency,
+            console=console,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
 
 
 def _warn(message: str) -> None:

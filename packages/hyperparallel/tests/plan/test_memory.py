@@ -8,13 +8,14 @@ import torch
 
 from hyperparallel.parallel.mesh import parse_mesh
 from hyperparallel.plan.inventory import build_meta_model, mesh_coords, model_inventory
-from hyperparallel.plan.memory import rank_memory
+from hyperparallel.plan.memory import memory_by_rank, rank_memory
 from hyperparallel.train.config import load_config
 from hyperparallel.train.presets import debug
 
 
 @pytest.mark.parametrize(
-    ("mesh", "world"), [("fsdp", 3), ("2x3", 6), ("ep=2,dp_shard=2", 4), ("pp=2,dp_shard=2", 4)]
+    ("mesh", "world"),
+    [("fsdp", 3), ("fsdp", 7), ("2x3", 6), ("ep=2,dp_shard=2", 4), ("pp=2,dp_shard=2", 4)],
 )
 def test_shards_and_state_follow_the_placements(mesh: str, world: int):
     """Parameter, gradient and optimizer bytes per rank against tensors chunked on dim 0."""
@@ -40,6 +41,7 @@ def test_shards_and_state_follow_the_placements(mesh: str, world: int):
             params += nbytes
             state += nbytes * (1 if p.optimizer == "muon" else 2)
         memory = rank_memory(meta, inv, cfg.activation, rank)
+        assert memory == memory_by_rank(meta, inv, cfg.activation)[rank]
         assert (memory.params, memory.grads, memory.optimizer) == (params, params, state)
         assert memory.peak > memory.params + memory.grads + memory.optimizer
 

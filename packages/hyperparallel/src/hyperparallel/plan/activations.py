@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from hyperparallel.activation import CheckpointPolicy, PolicyContext, PolicyFn, resolve
 from hyperparallel.activation.report import is_parameter_like
@@ -93,6 +94,7 @@ class _BlockForward(TorchDispatchMode):
         self.keep: list[torch.Tensor] = []  # storages stay alive (and distinct) until counted
         self.inside = False  # within the measured block's forward
         self.inputs: dict[int, int] = {}  # the block's tensor inputs: storage -> bytes
+        self.flops = 0  # matmul and attention FLOPs of the block's forward
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -110,6 +112,7 @@ class _BlockForward(TorchDispatchMode):
             out = func(*args, **kwargs)
         if not self.inside:
             return out
+        self.flops += _flops(func, args, kwargs, out)
         aliases = any(r.alias_info is not None for r in func._schema.returns)
         fresh = tuple(
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel() and not aliases
@@ -160,6 +163,24 @@ class _FusedAttention(TorchFunctionMode):
             scale=options.get("scale"),
         )
         return out
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of the compute-bound ops: torch's flop-counter formulas for matmuls, flash
+    attention at half the square for a causal mask (the fused kernels skip masked tiles), and
+    ``2 S K N`` for a grouped matmul ``[S, K] x [G, K, N]``."""
+    if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        query, key, value = args[:3]
+        full = sdpa_flop_count(query.shape, key.shape, value.shape)
+        causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        return int(full // 2 if causal else full)
+    if func is aten._grouped_mm.default:
+        a, b = args[:2]
+        if b.dim() == 3:  # each row meets its group's [K, N]
+            return 2 * out.numel() * a.shape[-1]
+        return 2 * a.shape[0] * a.shape[1] * b.shape[-1]  # [M, S] x [S, N], groups along S
+    formula = flop_registry.get(func._overloadpacket)
+    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
 def _grouped_mm(
@@ -335,15 +356,26 @@ def _sum(placed: dict[tuple, tuple[int, str]]) -> ActivationBytes:
     return ActivationBytes(totals["device"], totals["host"], totals["recomputed"])
 
 
-def block_activations(
-    meta: MetaModel, inv: Inventory, act: ActivationConfig, micro_batch: int
-) -> tuple[ActivationBytes, ...]:
-    """Saved-activation bytes of each block for one micro-batch of ``micro_batch`` samples
-    under its policy (``inv.block_policies``); blocks of one kind (same parameter shapes and
-    layer type) are measured once."""
+@dataclass(frozen=True)
+class BlockMeasure:
+    """One block's forward on meta tensors for one micro-batch: what it saved, its op record
+    (with the block's forward FLOPs), and its policy."""
+
+    saved: list[_Saved]
+    forward: _BlockForward
+    policy: str
+
+    @property
+    def flops(self) -> int:
+        return self.forward.flops
+
+
+def measure_blocks(meta: MetaModel, inv: Inventory, micro_batch: int) -> tuple[BlockMeasure, ...]:
+    """Run each kind of block (same parameter shapes and layer type) once on a micro-batch of
+    ``micro_batch`` samples; one :class:`BlockMeasure` per block, in model order."""
     dtype = next(meta.module.parameters()).dtype
-    types = getattr(getattr(meta.spec, "model", None), "config", None)
-    layer_types = getattr(types, "layer_types", None) or [None] * inv.n_layers
+    config = getattr(getattr(meta.spec, "model", None), "config", None)
+    layer_types = getattr(config, "layer_types", None) or [None] * inv.n_layers
     measured: dict[tuple, tuple[list[_Saved], _BlockForward]] = {}
     results = []
     for i, policy in enumerate(inv.block_policies):
@@ -354,14 +386,28 @@ def block_activations(
             with torch.device("meta"):
                 x = torch.empty(micro_batch, inv.seq_len, inv.hidden, dtype=dtype).requires_grad_()
             measured[kind] = run_block(stage, block, x.clone())  # a block's input is no leaf
-        saved, mode = measured[kind]
-        results.append(
-            apply_policy(
-                saved,
-                mode,
-                policy,
-                swap_inputs=act.swap_inputs,
-                swap_threshold_bytes=act.swap_threshold_bytes,
-            )
-        )
+        results.append(BlockMeasure(*measured[kind], policy))
     return tuple(results)
+
+
+def block_activations(
+    meta: MetaModel,
+    inv: Inventory,
+    act: ActivationConfig,
+    micro_batch: int,
+    blocks: tuple[BlockMeasure, ...] | None = None,
+) -> tuple[ActivationBytes, ...]:
+    """Saved-activation bytes of each block for one micro-batch of ``micro_batch`` samples
+    under its policy (``inv.block_policies``), from ``blocks`` (:func:`measure_blocks`, run
+    here when not given)."""
+    blocks = blocks or measure_blocks(meta, inv, micro_batch)
+    return tuple(
+        apply_policy(
+            b.saved,
+            b.forward,
+            b.policy,
+            swap_inputs=act.swap_inputs,
+            swap_threshold_bytes=act.swap_threshold_bytes,
+        )
+        for b in blocks
+    )
