@@ -82,7 +82,7 @@ def _tree(root: Path) -> dict[str, str]:
             "qwen3-8b has no published config in its card (config:); --full-size trains "
             "qwen3-0.6b, qwen3-30b-a3b-instruct-2507",
         ),
-        (["qwen3-0.6b"], "give --tiny (tiny random weights), --full-size (the published shape"),
+        (["qwen3-0.6b"], "modelzoo never fetches weights), or --full-size (the published shape"),
     ],
 )
 def test_a_refused_full_size_run_writes_nothing(tmp_path, monkeypatch, args, expected):

@@ -54,9 +54,9 @@ def check_model_source(card: ModelCard, options: TrainOptions) -> None:
         return
     if not options.tiny and options.path is None:
         raise InputError(
-            f"{card.id}: give --tiny (tiny random weights), --full-size (the published shape, "
-            f"random weights) or --path DIR (a local copy of {card.hub_id}; modelzoo never "
-            "fetches weights)"
+            f"{card.id}: give --tiny (random weights, offline) or --path DIR (a local copy of "
+            f"{card.hub_id}; modelzoo never fetches weights), or --full-size (the published "
+            "shape, random weights)"
         )
     check_source(card, tiny=options.tiny, path=options.path)
 

@@ -75,6 +75,11 @@ def write_model_config(card: ModelCard, options: TrainOptions, folder: Path) -> 
     return folder / "config.json"
 
 
+def write_tiny_config(card: ModelCard, folder: Path) -> Path:
+    """The card's architecture with its tiny overrides as ``folder/config.json``; returns it."""
+    return write_model_config(card, TrainOptions(tiny=True), folder)
+
+
 def job_tree(card: ModelCard, options: TrainOptions) -> dict[str, Any]:
     """The run's TrainConfig values before validation: hyperparallel's defaults changed by
     :data:`JOB_DEFAULTS` and the card's out-dir (``runs/train/<card>``), then ``options.job``
