@@ -23,7 +23,7 @@ from torchmind_modelzoo import registry
 from torchmind_modelzoo.build import model_class
 from torchmind_modelzoo.cli import app
 
-FULL_SIZE_CARDS = ["qwen3-0.6b", "qwen3-30b-a3b-instruct-2507"]
+FULL_SIZE_CARDS = ["deepseek-v3.2", "qwen3-0.6b", "qwen3-30b-a3b-instruct-2507"]
 SMALL = ["--max-bytes", "200000", "--seq-len", "32"]  # a data check of a second, not ten
 
 
@@ -37,8 +37,8 @@ def _parameters_on_meta(card_id: str, **changes: object) -> int:
 
 
 def test_the_cards_with_a_published_config_are_the_two_filled():
-    """qwen3-0.6b and qwen3-30b-a3b-instruct-2507 carry their config.json values; the others
-    carry none rather than values nobody checked."""
+    """deepseek-v3.2, qwen3-0.6b and qwen3-30b-a3b-instruct-2507 carry their config.json values;
+    the others carry none rather than values nobody checked."""
     assert sorted(c.id for c in registry.list() if c.config is not None) == FULL_SIZE_CARDS
 
 
@@ -80,7 +80,7 @@ def _tree(root: Path) -> dict[str, str]:
         (
             ["qwen3-8b", "--full-size"],
             "qwen3-8b has no published config in its card (config:); --full-size trains "
-            "qwen3-0.6b, qwen3-30b-a3b-instruct-2507",
+            "deepseek-v3.2, qwen3-0.6b, qwen3-30b-a3b-instruct-2507",
         ),
         (["qwen3-0.6b"], "modelzoo never fetches weights), or --full-size (the published shape"),
     ],

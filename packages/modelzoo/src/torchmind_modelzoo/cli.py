@@ -339,6 +339,71 @@ def train(
     print(json.dumps(result, indent=2, default=str))
 
 
+@app.command()
+def plan(
+    name: Annotated[
+        str, typer.Argument(help="Card id of a full LLM card with a published config.")
+    ],
+    world: Annotated[int, typer.Option(help="Ranks of the run (8 to 16,384 and beyond).")],
+    mesh: Annotated[
+        str | None,
+        _job_option("parallel.mesh", "Mesh over --world ranks, e.g. 'pp=8,ep=8,dp_shard=16'."),
+    ] = None,
+    seq_len: Annotated[int | None, _job_option("data.seq_len", "Tokens per sample.")] = None,
+    batch_size: Annotated[
+        int | None, _job_option("data.batch_size", "Samples per data-parallel rank per step.")
+    ] = None,
+    device: Annotated[
+        str, typer.Option(help="Device profile: h100, h200, ascend-910b, cpu or a .toml file.")
+    ] = "h100",
+    search: Annotated[
+        bool, typer.Option(help="List the meshes of --world that fit, fastest first.")
+    ] = False,
+    device_memory: Annotated[
+        str | None, typer.Option(help="Memory per rank for --search, e.g. 80GiB.")
+    ] = None,
+    efficiency: Annotated[
+        float | None, typer.Option(help="Fraction of peak FLOP/s reached (default 0.5).")
+    ] = None,
+    config_file: Annotated[
+        Path | None, typer.Option("--config", help="TOML file of TrainConfig sections.")
+    ] = None,
+    set_items: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Any TrainConfig setting, as `modelzoo train --set` takes it."),
+    ] = None,
+) -> None:
+    """Predict what training a card at its published size needs at --world ranks (hyperparallel's
+    planner: per-rank memory, bytes per collective, Newton-Schulz balance, step time), e.g.
+    `modelzoo plan deepseek-v3.2 --world 1024 --mesh pp=8,ep=8,dp_shard=16`. The run is
+    configured as `modelzoo train` configures it; a mesh the job refuses is refused in one line.
+    Needs the `train` extra (hyperparallel)."""
+    from torchmind_modelzoo import planning
+    from torchmind_modelzoo.build import LibraryMissingError
+
+    card = _card(name)
+    try:
+        job = layer_tree(None, config_file, set_items)
+        for key, value in {"mesh": mesh, "seq_len": seq_len, "batch_size": batch_size}.items():
+            if value is not None:
+                set_dotted(job, JOB_FLAGS[key], value)
+        TrainOptions.validate_tree({"full_size": True, "job": job})
+        planning.plan_card(
+            card,
+            job,
+            world,
+            device=device,
+            search=search,
+            device_memory=device_memory,
+            efficiency=efficiency,
+            console=console,
+        )
+    except ConfigError as exc:
+        fail(str(exc))
+    except (LibraryMissingError, InputError) as exc:
+        fail(str(exc), code=_exit_code(exc))
+
+
 def _warn(message: str) -> None:
     typer.echo(f"warning: {message}", err=True)
 

@@ -138,8 +138,9 @@ class _BlockForward(TorchDispatchMode):
 
 
 class _FusedAttention(TorchFunctionMode):
-    """``scaled_dot_product_attention`` through the fused flash kernel (which has a meta
-    implementation), as on a device with fused attention."""
+    """``scaled_dot_product_attention`` through a fused kernel that has a meta implementation,
+    as on a device with fused attention: flash (what CPUs run too), or the memory-efficient
+    kernel where the value head size differs from the query's (multi-head latent attention)."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -150,18 +151,17 @@ class _FusedAttention(TorchFunctionMode):
         query, key, value, *rest = args
         options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest, strict=False))
         options.update(kwargs)
-        options.pop(
-            "enable_gqa", None
-        )  # the fused kernel takes grouped key/value heads as they are
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query,
-            key,
-            value,
-            options.get("dropout_p", 0.0),
-            options.get("is_causal", False),
-            attn_mask=options.get("attn_mask"),
-            scale=options.get("scale"),
-        )
+        # enable_gqa dropped: the fused kernels take grouped key/value heads as they are
+        mask, causal = options.get("attn_mask"), bool(options.get("is_causal", False))
+        dropout, scale = options.get("dropout_p", 0.0), options.get("scale")
+        if value.shape[-1] != query.shape[-1]:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, mask, True, dropout, causal, scale=scale
+            )[0]
+        else:
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout, causal, attn_mask=mask, scale=scale
+            )[0]
         return out
 
 
@@ -169,10 +169,15 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of the compute-bound ops: torch's flop-counter formulas for matmuls, flash
     attention at half the square for a causal mask (the fused kernels skip masked tiles), and
     ``2 S K N`` for a grouped matmul ``[S, K] x [G, K, N]``."""
-    if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+    causal_at = {
+        aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+        aten._scaled_dot_product_efficient_attention.default: 6,
+    }
+    if func in causal_at:
         query, key, value = args[:3]
         full = sdpa_flop_count(query.shape, key.shape, value.shape)
-        causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        at = causal_at[func]
+        causal = args[at] if len(args) > at else kwargs.get("is_causal", False)
         return int(full // 2 if causal else full)
     if func is aten._grouped_mm.default:
         a, b = args[:2]

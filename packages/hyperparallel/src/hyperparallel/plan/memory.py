@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from hyperparallel.models.hf import CausalLM
+from hyperparallel.models.lm_loss import chunked_linear_cross_entropy
 from hyperparallel.optim.muon import DEFAULT_COMM_BATCH_BYTES
 from hyperparallel.optim.plan import shard_rows
 from hyperparallel.parallel.pipeline import lm_loss
@@ -244,8 +245,7 @@ def rest_activations(meta: MetaModel, inv: Inventory, stage: int, micro: int) ->
         hidden = torch.empty(micro, inv.seq_len, inv.hidden, dtype=dtype).requires_grad_()
     if inv.n_stages == 1:
         with _without_blocks(meta.module):
-            losses = meta.spec.losses(meta.module)
-            return run_model(lambda: losses(tokens, tokens))
+            return run_model(lambda: _whole_loss(meta.module, tokens))
     module = make_stage(meta, range(0), first, last)
 
     def forward() -> object:
@@ -253,6 +253,26 @@ def rest_activations(meta: MetaModel, inv: Inventory, stage: int, micro: int) ->
         return lm_loss(out, tokens) if last else out
 
     return run_model(forward)
+
+
+def _whole_loss(module: nn.Module, tokens: torch.Tensor) -> object:
+    """The job's loss of the whole model without pp, less the balance loss (which reads the
+    blocks' router logits, and saves a few bytes per block): the built-in MoE's logits and
+    cross-entropy, or a transformers decoder's chunked cross-entropy as :class:`CausalLM` runs
+    it."""
+    if not isinstance(module, CausalLM):
+        logits, _ = module(tokens)
+        return lm_loss(logits, tokens)
+    out = module.decoder(input_ids=tokens, use_cache=False)
+    head = module.model.get_output_embeddings()
+    return chunked_linear_cross_entropy(
+        out.last_hidden_state,
+        head.weight,
+        tokens,
+        head.bias,
+        chunk_rows=module.chunk_rows,
+        softcap=getattr(module.model.config, "final_logit_softcapping", None),
+    )
 
 
 @contextmanager
