@@ -184,3 +184,19 @@ def test_expert_dispatch_follows_parallel_ep_chunks(monkeypatch: pytest.MonkeyPa
     assert [config.chunks for config in seen] == [3]
     with pytest.raises(ValueError, match="ep_chunks"):
         load_config(debug(), overrides=["parallel.ep_chunks=0"])
+
+
+def test_expert_dispatch_follows_parallel_ep_local_first(monkeypatch: pytest.MonkeyPatch):
+    """``parallel.ep_local_first`` reaches the expert-parallel dispatch of the built-in MoE, and
+    is refused together with ``ep_chunks`` above 1 when the configuration loads."""
+    import hyperparallel.train.model as moe_model
+
+    seen = []
+    monkeypatch.setattr(
+        moe_model, "apply_expert_parallel", lambda module, meshes, config: seen.append(config)
+    )
+    spec = model_spec(load_config(debug(), overrides=["parallel.ep_local_first=true"]))
+    spec.place_experts(nn.Identity(), meshes=None)
+    assert [(config.chunks, config.local_first) for config in seen] == [(1, True)]
+    with pytest.raises(ValueError, match="choose one overlap"):
+        load_config(debug(), overrides=["parallel.ep_local_first=true", "parallel.ep_chunks=2"])

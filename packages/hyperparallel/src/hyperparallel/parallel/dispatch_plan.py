@@ -4,6 +4,9 @@ The local experts of every ep rank are split into the same contiguous groups, th
 ``c`` carries, from every rank to every rank, the (token, slot) pairs routed to the experts of
 group ``c`` there; :class:`~hyperparallel.parallel.expert.ExpertParallelDispatch` exchanges and
 computes the chunks one after another so that the exchanges overlap with the expert compute.
+
+Local-first dispatch (:func:`split_local`) splits a one-chunk plan differently: the pairs a rank
+routes to its own experts never enter the exchange, and are computed while the others travel.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class DispatchPlan:
         recv_counts: ``[ep, n_local]``, rows rank ``s`` sends to this rank's local expert ``j``.
         recv_per_expert: per chunk, the rows this rank receives for each expert of the chunk,
             all ranks together (on the host, so that computing a chunk needs no device sync).
+        recv_table: ``recv_counts`` on the host, ``[ep][n_local]``.
     """
 
     pairs: torch.Tensor
@@ -47,6 +51,7 @@ class DispatchPlan:
     recv_splits: list[list[int]]
     recv_counts: torch.Tensor
     recv_per_expert: list[list[int]]
+    recv_table: list[list[int]]
 
     @property
     def send_rows(self) -> list[int]:
@@ -90,4 +95,55 @@ def plan_dispatch(
     per_expert = [sum(column) for column in zip(*recv_table, strict=True)]
     recv_per_expert = [per_expert[g] for g in groups]
     pairs = key.argsort(stable=True)[: sum(map(sum, send_splits))]
-    return DispatchPlan(pairs, send_splits, recv_splits, recv_counts, recv_per_expert)
+    return DispatchPlan(pairs, send_splits, recv_splits, recv_counts, recv_per_expert, recv_table)
+
+
+@dataclass(frozen=True)
+class LocalFirstPlan:
+    """One dispatch split into the pairs that stay on this rank and those that travel.
+
+    Attributes:
+        local_pairs: ``[L]`` pairs routed to this rank's own experts, ordered by expert.
+        local_per_expert: rows of ``local_pairs`` per local expert.
+        remote_pairs: ``[P - L]`` the other pairs, ordered by destination rank, then expert.
+        send_splits: pairs sent to each ep rank, 0 to this one.
+        recv_splits: rows received from each ep rank, 0 from this one.
+        recv_counts: ``[ep, n_local]`` rows rank ``s`` sends to this rank's expert ``j``, with
+            this rank's row zeroed (its rows do not arrive through the exchange).
+        recv_per_expert: rows received per local expert, the other ranks together.
+    """
+
+    local_pairs: torch.Tensor
+    local_per_expert: list[int]
+    remote_pairs: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_counts: torch.Tensor
+    recv_per_expert: list[int]
+
+
+def split_local(plan: DispatchPlan, rank: int) -> LocalFirstPlan:
+    """Split a one-chunk ``plan`` at ``rank``, this rank's index in the ep group: its pairs
+    are ordered by destination rank, so the local ones are one contiguous run."""
+    if len(plan.send_splits) != 1:
+        raise ValueError(
+            f"local-first dispatch needs a one-chunk plan, got {len(plan.send_splits)}"
+        )
+    (send_splits,), (recv_splits,) = plan.send_splits, plan.recv_splits
+    start = sum(send_splits[:rank])
+    stop = start + send_splits[rank]
+    local_per_expert = plan.recv_table[rank]
+    recv_counts = plan.recv_counts.clone()
+    recv_counts[rank] = 0
+    return LocalFirstPlan(
+        local_pairs=plan.pairs[start:stop],
+        local_per_expert=local_per_expert,
+        remote_pairs=torch.cat((plan.pairs[:start], plan.pairs[stop:])),
+        send_splits=[0 if r == rank else n for r, n in enumerate(send_splits)],
+        recv_splits=[0 if r == rank else n for r, n in enumerate(recv_splits)],
+        recv_counts=recv_counts,
+        recv_per_expert=[
+            total - local
+            for total, local in zip(plan.recv_per_expert[0], local_per_expert, strict=True)
+        ],
+    )

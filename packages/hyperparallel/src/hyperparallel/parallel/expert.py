@@ -2,10 +2,11 @@
 
 Dropless: every (token, expert) pair the router chooses is computed, however uneven the load, by
 exchanging the per-expert counts first and then the tokens with ``all_to_all_single`` and uneven
-split sizes. The exchanges are chunked by local expert group and asynchronous
-(:mod:`hyperparallel.parallel.all_to_all`), so that a chunk's experts compute while the other
-chunks travel, in forward and backward. The router and its balance loss are computed locally as
-without EP, so they are unchanged.
+split sizes. The exchanges are asynchronous (:mod:`hyperparallel.parallel.all_to_all`) and
+overlap with expert compute in one of two ways, in forward and backward: chunked by local expert
+group (a chunk's experts compute while the other chunks travel), or local-first (the rows a rank
+routes to its own experts never travel and compute while the others do). The router and its
+balance loss are computed locally as without EP, so they are unchanged.
 
 Expert weights are DTensors on the expert mesh, ``Shard(0)`` over ``ep`` and ``dp_shard`` and
 ``Replicate()`` over ``dp_replicate``: each rank stores ``E / (ep x dp_shard)`` experts (the layout
@@ -31,14 +32,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from hyperparallel._config import StrictModel
 from hyperparallel.models.moe import MoEFeedForward
 from hyperparallel.parallel.all_to_all import start_all_to_all, wait_all_to_all
-from hyperparallel.parallel.dispatch_plan import DispatchPlan, expert_groups, plan_dispatch
+from hyperparallel.parallel.dispatch_plan import (
+    DispatchPlan,
+    expert_groups,
+    plan_dispatch,
+    split_local,
+)
 from hyperparallel.parallel.mesh import MeshSet
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -47,15 +53,19 @@ ExpertCompute = Callable[[torch.Tensor, torch.Tensor, int, list[int]], torch.Ten
 """``(rows [R, D], expert of each row within the chunk [R], chunk c, rows per expert of the
 chunk) -> [R, D_out]``: the experts of chunk ``c`` (:meth:`ExpertParallelDispatch.chunk_experts`)
 applied to the rows this rank received for them, which arrive grouped by expert (ascending).
-Called once per chunk, also with ``R == 0``. It must not communicate: the local expert slices
-are gathered once per dispatch, before it (:meth:`ExpertParallelDispatch.local_experts`)."""
+Called once per chunk, also with ``R == 0``; local-first calls it twice for its one chunk, on
+the rows routed from this rank, then on those received from the others. It must not
+communicate: the local expert slices are gathered once per dispatch, before it
+(:meth:`ExpertParallelDispatch.local_experts`)."""
 
 DEFAULT_CHUNKS = 1
 """Blocking dispatch by default: on 2 CPU ranks over gloo (benchmarks/expert_overlap.py, results
-in benchmarks/results/expert_overlap.md) every chunk count above 1 made the step slower. gloo's
+in benchmarks/results/expert_overlap.md) no chunk count above 1 made the step faster. gloo's
 exchanges run on the same cores as the experts, the blocking dispatch waits only a few percent of
-the step, and each extra chunk adds two exchanges and an expert call. Where the exchange runs
-beside the compute (an accelerator's communication engine), set ``chunks`` above 1 and measure."""
+the step, and each extra chunk adds two exchanges and an expert call. Local-first dispatch was
+slower too (about 1.1x): it calls every expert twice, on half the rows each. Where the exchange
+runs beside the compute (an accelerator's communication engine), try ``chunks`` above 1 or
+``local_first`` and measure."""
 
 
 class ExpertDispatchConfig(StrictModel):
@@ -69,6 +79,21 @@ class ExpertDispatchConfig(StrictModel):
         "groups' tokens travel and the earlier groups' outputs return (1: exchange everything, "
         "then compute, no overlap). Capped at the number of local experts.",
     )
+    local_first: bool = Field(
+        False,
+        description="Keep the rows a rank routes to its own experts out of the exchanges and "
+        "compute them while the other rows travel (and their gradients return); the "
+        "exchanges carry only the remote rows. Needs chunks=1.",
+    )
+
+    @model_validator(mode="after")
+    def _one_overlap(self) -> ExpertDispatchConfig:
+        if self.local_first and self.chunks > 1:
+            raise ValueError(
+                f"local_first overlaps the exchange with the local rows' experts; with "
+                f"chunks={self.chunks} choose one: chunks=1 or local_first=false"
+            )
+        return self
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -121,9 +146,11 @@ class ExpertParallelDispatch:
         self.ep = meshes.ep.size()
         self.n_experts = n_experts
         self.n_local = n_experts // self.ep
-        chunks = (config or ExpertDispatchConfig()).chunks
-        self.groups = expert_groups(self.n_local, chunks)
+        config = config or ExpertDispatchConfig()
+        self.groups = expert_groups(self.n_local, config.chunks)
         """The chunks' groups of local experts, the same on every rank."""
+        self.local_first = config.local_first
+        self.rank = dist.get_rank(self.group)
         self.mesh = meshes.experts
         names = self.mesh.mesh_dim_names or ()
         self.stored = [Shard(0) if n in ("ep", "dp_shard") else Replicate() for n in names]
@@ -165,8 +192,11 @@ class ExpertParallelDispatch:
         way back. Backward runs the same pipeline in reverse. Each expert sees all its rows in
         one call, so its GEMMs are as large as without chunks. An index ``>= E`` (the skip
         sentinel some routers emit) is not sent anywhere and adds nothing to its token's output.
+        Local-first: see :meth:`_dispatch_local_first`.
         """
         plan = self._plan(experts)
+        if self.local_first:
+            return self._dispatch_local_first(tokens, weights, plan, experts.shape[1], compute)
         top_k = experts.shape[1]
         send = tokens[plan.pairs // top_k].split(plan.send_rows)
         inbound = [
@@ -190,6 +220,52 @@ class ExpertParallelDispatch:
         weighted = (returned * weights.reshape(-1)[plan.pairs, None]).to(tokens.dtype)
         out = tokens.new_zeros(tokens.shape[0], weighted.shape[1])
         return out.index_add(0, plan.pairs // top_k, weighted)
+
+    def _dispatch_local_first(
+        self,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        whole: DispatchPlan,
+        top_k: int,
+        compute: ExpertCompute,
+    ) -> torch.Tensor:
+        """:meth:`dispatch` with the rows routed to this rank's own experts kept out of the
+        exchange: the remote rows leave, the local rows compute, the received rows compute once
+        they arrive; their outputs leave and the local outputs are combined while they travel.
+
+        Backward mirrors it through the exchange nodes. Autograd runs the ready nodes newest
+        first, so the local rows' expert backward (created between the dispatch's start and
+        wait) runs after the received rows' backward has started the reverse dispatch exchange
+        and before it is waited for.
+        """
+        plan = split_local(whole, self.rank)
+        local_tokens = plan.local_pairs // top_k
+        remote_tokens = plan.remote_pairs // top_k
+        inbound = start_all_to_all(
+            tokens[remote_tokens], plan.recv_splits, plan.send_splits, self.group
+        )
+        experts = torch.arange(self.n_local, device=tokens.device)
+        local_ids = experts.repeat_interleave(
+            torch.tensor(plan.local_per_expert, device=tokens.device),
+            output_size=local_tokens.shape[0],
+        )
+        local = compute(tokens[local_tokens], local_ids, 0, plan.local_per_expert)
+        got = wait_all_to_all(*inbound)
+        # Rows arrive ordered by (source rank, expert); group them by expert.
+        row_ids = experts.repeat(self.ep).repeat_interleave(
+            plan.recv_counts.reshape(-1), output_size=got.shape[0]
+        )
+        by_expert = row_ids.argsort(stable=True)
+        computed = compute(got[by_expert], row_ids[by_expert], 0, plan.recv_per_expert)
+        back = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        outbound = start_all_to_all(back, plan.send_splits, plan.recv_splits, self.group)
+        flat_weights = weights.reshape(-1)
+        out = tokens.new_zeros(tokens.shape[0], local.shape[1])
+        local_weighted = local * flat_weights[plan.local_pairs, None]
+        out = out.index_add(0, local_tokens, local_weighted.to(tokens.dtype))
+        returned = wait_all_to_all(*outbound)
+        remote_weighted = returned * flat_weights[plan.remote_pairs, None]
+        return out.index_add(0, remote_tokens, remote_weighted.to(tokens.dtype))
 
     def _plan(self, experts: torch.Tensor) -> DispatchPlan:
         """Exchange the per-expert counts (blocking: the splits must be known on the host) and
@@ -245,7 +321,7 @@ def apply_expert_parallel(
     model: nn.Module, meshes: MeshSet, config: ExpertDispatchConfig | None = None
 ) -> list[nn.Parameter]:
     """Place every MoE layer's experts on the expert mesh and route its tokens by all-to-all,
-    chunked as ``config`` says (default :class:`ExpertDispatchConfig`).
+    overlapped as ``config`` says (default :class:`ExpertDispatchConfig`).
 
     Call before FSDP (pass the returned parameters as its ``ignored_params``): the expert
     DTensors are managed here, not by FSDP.

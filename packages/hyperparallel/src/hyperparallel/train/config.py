@@ -85,12 +85,27 @@ class ParallelConfig(_Strict):
         description="Under ep, groups of local experts whose compute overlaps the other groups' "
         "all-to-alls (1: exchange everything, then compute; measured faster on CPU/gloo).",
     )
+    ep_local_first: bool = Field(
+        False,
+        description="Under ep, keep the tokens routed to a rank's own experts out of the "
+        "all-to-alls and compute them while the others travel (needs ep_chunks=1; measured "
+        "slower on CPU/gloo).",
+    )
     timeout_s: float = Field(
         120.0,
         gt=0,
         description="How long a rank waits for its peers before the run fails: at start-up "
         "for every rank to arrive, then in each collective (a dead or stopped peer).",
     )
+
+    @model_validator(mode="after")
+    def _one_ep_overlap(self) -> ParallelConfig:
+        if self.ep_local_first and self.ep_chunks > 1:
+            raise ValueError(
+                f"parallel.ep_local_first=true with parallel.ep_chunks={self.ep_chunks}: "
+                "choose one overlap (ep_chunks=1 or ep_local_first=false)"
+            )
+        return self
 
 
 class ActivationConfig(_Strict):

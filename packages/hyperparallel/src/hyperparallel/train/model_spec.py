@@ -105,8 +105,10 @@ class ModelSpec(ABC):
         return None
 
     def expert_dispatch(self) -> ExpertDispatchConfig:
-        """How expert-parallel dispatch overlaps its all-to-alls (``parallel.ep_chunks``)."""
-        return ExpertDispatchConfig(chunks=self.cfg.parallel.ep_chunks)
+        """How expert-parallel dispatch overlaps its all-to-alls (``parallel.ep_chunks``,
+        ``parallel.ep_local_first``)."""
+        parallel = self.cfg.parallel
+        return ExpertDispatchConfig(chunks=parallel.ep_chunks, local_first=parallel.ep_local_first)
 
     def classify(self, module: nn.Module) -> Classifier | None:
         """The optimizer's Muon / AdamW routing for ``module``; None: its default by shape."""
