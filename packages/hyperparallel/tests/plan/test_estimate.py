@@ -6,7 +6,9 @@ import pytest
 
 from hyperparallel.parallel.mesh import parse_mesh
 from hyperparallel.plan.collectives import CollectiveBytes
-from hyperparallel.plan.estimate import comm_seconds, wire_bytes
+from hyperparallel.plan.estimate import comm_seconds, group_span, wire_bytes
+from hyperparallel.plan.inventory import model_inventory
+from hyperparallel.plan.measure import group_ranks
 from hyperparallel.plan.planner import make_plan
 from hyperparallel.plan.profiles import load_profile, profile_names
 from hyperparallel.train.config import load_config
@@ -53,3 +55,15 @@ def test_pipeline_bubble_and_profiles():
             if f.endswith(("flops", "bytes", "bandwidth"))
         ]
         assert all(f.source.split(":")[0] in ("published", "assumed") for f in figures)
+
+
+@pytest.mark.parametrize("name", ["pp", "dp_replicate", "ep", "dp_shard", "dp_shard_ep", "dp"])
+def test_group_span_matches_the_group_members(name: str):
+    """Size and extent of each rank's group, against the members the measurement harness lists
+    (every rank of the world compared coordinate by coordinate)."""
+    cfg = load_config(debug(), overrides=["data.batch_size=4", "model.n_layers=2"])
+    dims = parse_mesh("pp=2,dp_replicate=3,ep=2,dp_shard=2", 24)
+    inv = model_inventory(cfg, dims)
+    for rank in range(dims.world_size):
+        members = group_ranks(dims, name, rank)
+        assert group_span(inv, name, rank) == (len(members), min(members), max(members))

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperparallel.parallel.mesh import FLATTENED_DIMS, MESH_DIMS
 from hyperparallel.plan.activations import BlockMeasure
 from hyperparallel.plan.collectives import CollectiveBytes
 from hyperparallel.plan.inventory import Inventory, mesh_coords
-from hyperparallel.plan.measure import group_ranks
 from hyperparallel.plan.muon_work import NSWork
 from hyperparallel.plan.profiles import DeviceProfile
 
@@ -98,6 +98,28 @@ def wire_bytes(kind: str, nbytes: int, ranks: int) -> float:
     return nbytes * factors.get(kind, 1.0)
 
 
+def group_span(inv: Inventory, dim: str, rank: int) -> tuple[int, int, int]:
+    """``(ranks, lowest, highest)`` of ``rank``'s group along mesh dimension ``dim`` (a mesh
+    dimension or a flattened one; ``world`` for all ranks, anything else for ``rank`` alone),
+    from the row-major layout of the world mesh without listing its members."""
+    dims = inv.dims
+    if dim == "world":
+        return dims.world_size, 0, dims.world_size - 1
+    along = FLATTENED_DIMS.get(dim, (dim,))
+    if not set(along) <= set(MESH_DIMS):
+        return 1, rank, rank
+    coords = mesh_coords(dims, rank)
+    stride, low, high, count = 1, rank, rank, 1
+    for name in reversed(MESH_DIMS):
+        size = getattr(dims, name)
+        if name in along:
+            low -= coords[name] * stride
+            high += (size - 1 - coords[name]) * stride
+            count *= size
+        stride *= size
+    return count, low, high
+
+
 def comm_seconds(
     inv: Inventory, collectives: Sequence[CollectiveBytes], rank: int, profile: DeviceProfile
 ) -> dict[str, float]:
@@ -105,16 +127,14 @@ def comm_seconds(
     node = profile.ranks_per_node
     seconds: dict[str, float] = {}
     for c in collectives:
-        try:
-            ranks = group_ranks(inv.dims, c.dim, rank)
-        except (KeyError, ValueError):
-            ranks = tuple(range(inv.dims.world_size))
-        same_node = len({r // node for r in ranks}) == 1
-        bandwidth = (
-            profile.intra_node_bandwidth if same_node else profile.inter_node_bandwidth
-        ).value
-        wire = wire_bytes(c.kind, c.bytes, len(ranks))
-        seconds[c.source] = seconds.get(c.source, 0.0) + wire / bandwidth
+        ranks, low, high = group_span(inv, c.dim, rank)
+        link = (
+            profile.intra_node_bandwidth
+            if low // node == high // node
+            else (profile.inter_node_bandwidth)
+        )
+        wire = wire_bytes(c.kind, c.bytes, ranks)
+        seconds[c.source] = seconds.get(c.source, 0.0) + wire / link.value
     return seconds
 
 

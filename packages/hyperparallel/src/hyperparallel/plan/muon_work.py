@@ -90,14 +90,14 @@ def _layout(inv: Inventory, pp_rank: int) -> _Layout:
     return _Layout(rows, [p for p in muon if len(p.shape) == 3])
 
 
-def _local_experts(inv: Inventory, entry: ParamEntry, shard_rank: int) -> int:
-    """Experts of ``entry`` stored on a rank: ``E / (ep x dp_shard)`` on the ep mesh, else
-    FSDP's ``Shard(0)`` chunk of E over the dense shard group."""
-    dims = inv.dims
+def _local_experts(inv: Inventory, entry: ParamEntry) -> list[int]:
+    """Experts of ``entry`` stored on each shard rank: ``E / (ep x dp_shard)`` on the ep mesh,
+    else FSDP's ``Shard(0)`` chunks of E over the dense shard group."""
+    shards = inv.dims.ep * inv.dims.dp_shard
     n_experts = entry.shape[0]
     if entry.expert:
-        return n_experts // (dims.ep * dims.dp_shard)
-    return shard_rows(n_experts, dims.ep * dims.dp_shard)[shard_rank]
+        return [n_experts // shards] * shards
+    return shard_rows(n_experts, shards)
 
 
 def ns_work(
@@ -159,11 +159,12 @@ def _stage_work(
                 slot = work[(replica, position % shard_size)]
                 slot[0] += 1
                 slot[1] += ns_flops(*layout.rows[index])
+    local = [_local_experts(inv, p) for p in layout.experts]
     for shard_rank in range(shard_size):
         shapes = [
             (p.shape[1], p.shape[2])
-            for p in layout.experts
-            for _ in range(_local_experts(inv, p, shard_rank))
+            for p, counts in zip(layout.experts, local, strict=True)
+            for _ in range(counts[shard_rank])
         ]
         if scheme == "hyperparallel" and replicas > 1:
             start = replica_start_load([(plan, shard_rank)] if layout.rows else [], replicas)
