@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from hyperparallel.activation import CheckpointPolicy, PolicyContext, PolicyFn, resolve
 from hyperparallel.activation.report import is_parameter_like
-from hyperparallel.plan.inventory import Inventory, MetaModel, make_stage
+from hyperparallel.plan.inventory import BUILT_IN_MODEL, Inventory, MetaModel, make_stage
 from hyperparallel.train.config import ActivationConfig
 
 aten = torch.ops.aten
@@ -414,5 +415,51 @@ def block_activations(
             swap_inputs=act.swap_inputs,
             swap_threshold_bytes=act.swap_threshold_bytes,
         )
-        for b in blocks
+        + dispatch_activations(inv, i, micro_batch, b.policy)
+        for i, b in enumerate(blocks)
     )
+
+
+def dispatch_activations(
+    inv: Inventory, block: int, micro_batch: int, policy: str
+) -> ActivationBytes:
+    """What expert parallelism's dispatch saves in block ``block`` beyond the local expert path
+    the meta model runs (nothing without ``ep`` or without routed experts).
+
+    Read from :meth:`hyperparallel.parallel.expert.ExpertParallelDispatch.dispatch` (one chunk):
+    the local path and the dispatch both keep each routed row's expert input and intermediates,
+    and the weighted expert output for the combine; the dispatch keeps in addition
+
+    - the expert outputs of the received rows in the senders' order (``back``, ``[R, hidden]``),
+      which the return exchange holds for backward,
+    - this rank's expert stacks as :meth:`~ExpertParallelDispatch.local_experts` gathers them
+      (``E / ep`` experts of every stack: autograd saves them for the expert GEMMs, and they
+      are no parameters),
+    - two more ``int64`` indices over the routed pairs (the send gather and the combine each
+      index by ``pairs // top_k``; the local path indexes its per-expert token ids once),
+    - for a transformers model, one more ``[R, hidden]``: its experts' own forward runs on the
+      received rows with unit weights and keeps its weighted output, and the dispatch's combine
+      keeps its own (the built-in MoE's expert function leaves the weighting to the combine).
+
+    Routing is assumed balanced, as everywhere in the planner: every rank receives as many rows
+    as it sends, ``R = tokens x top_k``; a real rank receives more or fewer by how unevenly its
+    router spreads the tokens. The bytes are recomputed with the block under a checkpoint
+    policy (the dispatch runs inside the region) and kept on the device otherwise.
+    """
+    if inv.dims.ep == 1 or block not in inv.moe_layers:
+        return ActivationBytes()
+    stacks = [p for p in inv.params if p.expert_stack and _in_block(p.name, block)]
+    itemsize = stacks[0].itemsize
+    rows = micro_batch * inv.seq_len * inv.top_k
+    outputs = 1 if inv.model == BUILT_IN_MODEL else 2
+    nbytes = outputs * rows * inv.hidden * itemsize + sum(p.nbytes for p in stacks) // inv.dims.ep
+    nbytes += 2 * rows * torch.empty((), dtype=torch.long).element_size()
+    if policy == "none":
+        return ActivationBytes(device=nbytes)
+    return ActivationBytes(recomputed=nbytes)
+
+
+def _in_block(name: str, block: int) -> bool:
+    """Whether parameter ``name`` lives in decoder block ``block`` (``...layers.<block>....``)."""
+    parts = name.split(".")
+    return any(a == "layers" and b == str(block) for a, b in pairwise(parts))

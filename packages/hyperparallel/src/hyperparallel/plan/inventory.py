@@ -29,6 +29,9 @@ from hyperparallel.train.hf_model import TransformersSpec, expert_count
 from hyperparallel.train.model_spec import ModelSpec
 from hyperparallel.train.registry import model_spec
 
+BUILT_IN_MODEL = "built-in MoE"
+""":attr:`Inventory.model` of the built-in MoE (a transformers model: its architecture name)."""
+
 
 @dataclass(frozen=True)
 class ParamEntry:
@@ -298,4 +301,4 @@ def _shape_facts(spec: ModelSpec) -> tuple[int, int, int, int, str]:
             spec.model.architecture,
         )
     m = spec.cfg.model
-    return m.dim, m.vocab_size, m.n_experts, m.top_k, "built-in MoE"
+    return m.dim, m.vocab_size, m.n_experts, m.top_k, BUILT_IN_MODEL

@@ -20,11 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyperparallel.activation import ActivationTracker, SwapSchedule
-from hyperparallel.optim import get_hyper_optimizer
 from hyperparallel.optim.hybrid import HybridOptimizer
 from hyperparallel.parallel.mesh import FLATTENED_DIMS, ParallelDims, parse_mesh
 from hyperparallel.plan.inventory import mesh_coords
 from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.optimizer import build_optimizer
 from hyperparallel.train.parallel_model import ParallelModel
 from hyperparallel.train.registry import model_spec
 from npu_core.dist.counting import CollectiveLog, CollectiveTotal, count_collectives
@@ -138,8 +138,7 @@ def measure_rank(cfg: TrainConfig) -> RankMeasurement:
     """Build the job's model on this rank's mesh (an initialised default group of
     ``parallel.mesh``'s size, CPU tensors), train three steps and report the second.
 
-    The optimizer is made with the trainer's settings (Muon lr, weight decay, NS dtype; AdamW lr,
-    weight decay; the spec's routing).
+    The optimizer is the trainer's (:func:`~hyperparallel.train.optimizer.build_optimizer`).
     """
     device = torch.device("cpu")
     spec = model_spec(cfg)
@@ -148,13 +147,7 @@ def measure_rank(cfg: TrainConfig) -> RankMeasurement:
     batch = spec.check_layout(dims)
     meshes = dims.build(device.type)
     net = spec.build(meshes, device)
-    opt = cfg.optim
-    optimizer = get_hyper_optimizer(
-        net.owner,
-        muon={"lr": opt.muon_lr, "weight_decay": opt.weight_decay, "ns_dtype": opt.ns_dtype},
-        adamw={"lr": opt.adamw_lr, "weight_decay": opt.weight_decay},
-        classify=net.classify,
-    )
+    optimizer = build_optimizer(cfg, net)
     inner = tuple(o for o in (optimizer.muon, optimizer.adamw) if o is not None)
     ns_seen: dict[tuple[int, int], int] = {}
     if optimizer.muon is not None:

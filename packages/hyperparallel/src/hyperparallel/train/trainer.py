@@ -23,11 +23,11 @@ import mccl
 from hyperparallel import env
 from hyperparallel.activation import ActivationTracker, SwapSchedule
 from hyperparallel.data.stdlib_bytes import ByteBatches
-from hyperparallel.optim import get_hyper_optimizer
 from hyperparallel.parallel.mesh import parse_mesh
 from hyperparallel.train import checkpoint
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.metrics import MetricsLog
+from hyperparallel.train.optimizer import build_optimizer
 from hyperparallel.train.parallel_model import ParallelModel
 from hyperparallel.train.profiling import StepProfiler
 from hyperparallel.train.registry import model_spec
@@ -119,16 +119,7 @@ def train_rank(cfg: TrainConfig, resume: bool, on_step: StepCallback | None = No
     batch = spec.check_layout(dims)
     meshes = dims.build(device.type)
     net = spec.build(meshes, device)
-    optimizer = get_hyper_optimizer(
-        net.owner,
-        muon={
-            "lr": cfg.optim.muon_lr,
-            "weight_decay": cfg.optim.weight_decay,
-            "ns_dtype": cfg.optim.ns_dtype,
-        },
-        adamw={"lr": cfg.optim.adamw_lr, "weight_decay": cfg.optim.weight_decay},
-        classify=net.classify,
-    )
+    optimizer = build_optimizer(cfg, net)
     inner = tuple(opt for opt in (optimizer.muon, optimizer.adamw) if opt is not None)
     base_lrs = [group["lr"] for opt in inner for group in opt.param_groups]
     out = Path(cfg.out_dir)
