@@ -407,6 +407,7 @@ def block_activations(
     under its policy (``inv.block_policies``), from ``blocks`` (:func:`measure_blocks`, run
     here when not given)."""
     blocks = blocks or measure_blocks(meta, inv, micro_batch)
+    dispatch = dispatch_activations(inv, micro_batch)
     return tuple(
         apply_policy(
             b.saved,
@@ -415,16 +416,14 @@ def block_activations(
             swap_inputs=act.swap_inputs,
             swap_threshold_bytes=act.swap_threshold_bytes,
         )
-        + dispatch_activations(inv, i, micro_batch, b.policy)
+        + dispatch.get(i, ActivationBytes())
         for i, b in enumerate(blocks)
     )
 
 
-def dispatch_activations(
-    inv: Inventory, block: int, micro_batch: int, policy: str
-) -> ActivationBytes:
-    """What expert parallelism's dispatch saves in block ``block`` beyond the local expert path
-    the meta model runs (nothing without ``ep`` or without routed experts).
+def dispatch_activations(inv: Inventory, micro_batch: int) -> dict[int, ActivationBytes]:
+    """What expert parallelism's dispatch saves per MoE block beyond the local expert path the
+    meta model runs, by block index (empty without ``ep``).
 
     Read from :meth:`hyperparallel.parallel.expert.ExpertParallelDispatch.dispatch` (one chunk):
     the local path and the dispatch both keep each routed row's expert input and intermediates,
@@ -446,20 +445,28 @@ def dispatch_activations(
     router spreads the tokens. The bytes are recomputed with the block under a checkpoint
     policy (the dispatch runs inside the region) and kept on the device otherwise.
     """
-    if inv.dims.ep == 1 or block not in inv.moe_layers:
-        return ActivationBytes()
-    stacks = [p for p in inv.params if p.expert_stack and _in_block(p.name, block)]
-    itemsize = stacks[0].itemsize
+    if inv.dims.ep == 1:
+        return {}
+    stack_bytes = dict.fromkeys(inv.moe_layers, 0)
+    for p in inv.params:
+        if p.expert_stack:
+            stack_bytes[_block_of(p.name)] += p.nbytes
+    itemsize = next(p.itemsize for p in inv.params if p.expert_stack)
     rows = micro_batch * inv.seq_len * inv.top_k
     outputs = 1 if inv.model == BUILT_IN_MODEL else 2
-    nbytes = outputs * rows * inv.hidden * itemsize + sum(p.nbytes for p in stacks) // inv.dims.ep
-    nbytes += 2 * rows * torch.empty((), dtype=torch.long).element_size()
-    if policy == "none":
-        return ActivationBytes(device=nbytes)
-    return ActivationBytes(recomputed=nbytes)
+    exchanged = outputs * rows * inv.hidden * itemsize
+    exchanged += 2 * rows * torch.empty((), dtype=torch.long).element_size()
+    result = {}
+    for block, stacks in stack_bytes.items():
+        nbytes = exchanged + stacks // inv.dims.ep
+        if inv.block_policies[block] == "none":
+            result[block] = ActivationBytes(device=nbytes)
+        else:
+            result[block] = ActivationBytes(recomputed=nbytes)
+    return result
 
 
-def _in_block(name: str, block: int) -> bool:
-    """Whether parameter ``name`` lives in decoder block ``block`` (``...layers.<block>....``)."""
+def _block_of(name: str) -> int:
+    """The decoder block parameter ``name`` lives in (``...layers.<block>....``)."""
     parts = name.split(".")
-    return any(a == "layers" and b == str(block) for a, b in pairwise(parts))
+    return next(int(b) for a, b in pairwise(parts) if a == "layers")
