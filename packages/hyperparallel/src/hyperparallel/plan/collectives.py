@@ -3,7 +3,9 @@
 Derived from the parameter inventory and the same rules the running code follows: FSDP2's
 padded dim-0 shards (one all-gather per unit in forward, again in backward for every unit but the
 root, one reduce-scatter per unit, HSDP's all-reduce of the shard over ``dp_replicate``), the
-expert dispatch's all-to-alls, the pipeline's activation send/recv under 1F1B, and Muon's owner
+expert stacks' own gathers and gradient reductions over ``dp_shard`` / ``dp_replicate``, the
+expert dispatch's all-to-alls, the pipeline's activation send/recv at every stage boundary
+between two ranks under the job's stage placement (1F1B, interleaved, DualPipeV), and Muon's owner
 plan (:func:`hyperparallel.optim.plan.build_plan`, the function every rank calls) for its packed
 gather/scatter and replica sums. The byte definition is the one
 :mod:`npu_core.dist.counting` measures: the tensors this rank passes in.
@@ -28,6 +30,9 @@ EXPERT_COUNT_BYTES = 8
 """Per-expert token counts are int64 (``torch.bincount``)."""
 FLAG_BYTES = 4
 """Muon's per-parameter finiteness flags travel as int32."""
+FORWARD_REPLAYED = frozenset({"recompute"})
+"""Activation policies under which backward re-runs a whole block's forward, its expert
+exchanges and expert gathers included (``selective`` saves collectives' outputs instead)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,9 @@ class CollectiveBytes:
     """One kind of collective one source issues on one mesh dimension, per step, on one rank.
 
     Attributes:
-        source: who issues it: ``fsdp``, ``hsdp``, ``ep``, ``pp``, ``muon``.
+        source: who issues it: ``fsdp``, ``hsdp``, ``expert_fsdp`` / ``expert_hsdp`` (the
+            expert stacks' redistribution over ``dp_shard`` / ``dp_replicate``), ``ep``,
+            ``pp``, ``muon``.
         kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``, ``send``,
             ``recv``.
         dim: the process group's mesh dimension name (:func:`~hyperparallel.plan.measure.dim_name`).
@@ -58,25 +65,12 @@ def predict_collectives(
     cfg: TrainConfig, dims: ParallelDims, inventory: Inventory, rank: int
 ) -> list[CollectiveBytes]:
     """Every collective ``rank`` issues in one steady-state training step (forward, backward,
-    optimizer step) under ``dims``.
-
-    Raises:
-        ValueError: a layout this prediction does not cover (pipeline schedules other than
-            1F1B, expert dispatch with ``dp_shard`` or ``dp_replicate`` above 1).
-    """
-    if dims.pp > 1 and inventory.schedule != "1f1b":
-        raise ValueError(
-            f"collective prediction covers --pp-schedule 1f1b, not {inventory.schedule}"
-        )
-    if dims.ep > 1 and (dims.dp_shard > 1 or dims.dp_replicate > 1):
-        raise ValueError(
-            "collective prediction covers ep with neither dp_shard nor dp_replicate (the "
-            "experts' own gathers over them are not modelled)"
-        )
+    optimizer step) under ``dims``."""
     pp_rank = mesh_coords(dims, rank)["pp"]
     held = inventory.params_of(pp_rank)
     out = [
         *_fsdp(dims, inventory, held),
+        *_expert_fsdp(dims, inventory, pp_rank, held),
         *_expert_dispatch(cfg, dims, inventory, pp_rank, held),
         *_pipeline(dims, inventory, pp_rank, held),
         *_muon(cfg, dims, held, rank),
@@ -118,6 +112,70 @@ def _fsdp(
     return out
 
 
+def _moe_layers(inventory: Inventory, pp_rank: int) -> list[int]:
+    """The MoE blocks of the stages ``pp_rank`` holds."""
+    stages = set(inventory.stages_of(pp_rank))
+    return [
+        i
+        for s, block_range in enumerate(inventory.stage_layers)
+        if s in stages
+        for i in block_range
+        if i in inventory.moe_layers
+    ]
+
+
+def _forward_runs(inventory: Inventory, layers: list[int]) -> int:
+    """Forward passes of ``layers`` per micro-batch, summed: two for a block whose backward
+    replays its forward (:data:`FORWARD_REPLAYED`), else one."""
+    return sum(2 if inventory.block_policies[i] in FORWARD_REPLAYED else 1 for i in layers)
+
+
+def _expert_fsdp(
+    dims: ParallelDims, inventory: Inventory, pp_rank: int, held: tuple[ParamEntry, ...]
+) -> list[CollectiveBytes]:
+    """The expert stacks' own data parallelism (:meth:`ExpertParallelDispatch.local_experts`):
+    stored ``Shard(0)`` over ``ep`` and ``dp_shard`` and replicated over ``dp_replicate``, each
+    stack is redistributed to whole ``[E / ep]`` experts at every forward call (one
+    ``dp_shard`` all-gather per stack, micro-batch and forward run, a replayed forward
+    included); its gradient comes back ``Partial`` over ``dp_shard`` and ``dp_replicate``: one
+    reduce-scatter of the gathered size per stack and micro-batch, and over ``dp_replicate``
+    an all-reduce of the resulting shard. Every MoE block holds the same stacks."""
+    stacks = [p for p in held if p.expert]
+    if not stacks:
+        return []
+    layers = _moe_layers(inventory, pp_rank)
+    per_layer = len(stacks) // len(layers)
+    shard = sum(
+        p.shape[0] // (dims.ep * dims.dp_shard) * math.prod(p.shape[1:]) * p.itemsize
+        for p in stacks
+    )
+    layer_shard = shard // len(layers)
+    m = inventory.microbatches
+    runs = _forward_runs(inventory, layers)
+    out = []
+    if dims.dp_shard > 1:
+        dim = dim_name(dims, "dp_shard")
+        out += [
+            CollectiveBytes(
+                "expert_fsdp", "all_gather", dim, m * runs * per_layer, m * runs * layer_shard
+            ),
+            CollectiveBytes(
+                "expert_fsdp", "reduce_scatter", dim, m * len(stacks), m * dims.dp_shard * shard
+            ),
+        ]
+    if dims.dp_replicate > 1:
+        out.append(
+            CollectiveBytes(
+                "expert_hsdp",
+                "all_reduce",
+                dim_name(dims, "dp_replicate"),
+                m * len(stacks),
+                m * shard,
+            )
+        )
+    return out
+
+
 def _expert_dispatch(
     cfg: TrainConfig,
     dims: ParallelDims,
@@ -127,30 +185,26 @@ def _expert_dispatch(
 ) -> list[CollectiveBytes]:
     if dims.ep == 1:
         return []
-    stages = set(inventory.stages_of(pp_rank))
-    layers = [
-        i
-        for s, block_range in enumerate(inventory.stage_layers)
-        if s in stages
-        for i in block_range
-        if i in inventory.moe_layers
-    ]
+    layers = _moe_layers(inventory, pp_rank)
+    runs = _forward_runs(inventory, layers)
     itemsize = next(p.itemsize for p in held if p.expert)
     tokens = inventory.local_batch * inventory.seq_len
     chunks = cfg.parallel.ep_chunks
-    # Per MoE layer and micro-batch: the counts, then per chunk the tokens out and back in
-    # forward and again in backward. Outbound rows are this rank's T x k routed copies; the
-    # return trips carry what it received, T x k on average over the ep group.
-    rows_bytes = 4 * tokens * inventory.top_k * inventory.hidden * itemsize
-    per_layer_calls = 1 * inventory.microbatches + 4 * chunks * inventory.microbatches
-    counts = inventory.n_experts * EXPERT_COUNT_BYTES * inventory.microbatches
+    m = inventory.microbatches
+    # Per MoE layer and micro-batch, each forward run (a replayed one too) sends the counts,
+    # then per chunk the tokens out and back; backward sends them out and back once more.
+    # Outbound rows are this rank's T x k routed copies; the return trips carry what it
+    # received, T x k on average over the ep group.
+    trip = tokens * inventory.top_k * inventory.hidden * itemsize
+    counts = inventory.n_experts * EXPERT_COUNT_BYTES * m
+    forward_calls, backward_calls = (1 + 2 * chunks) * m, 2 * chunks * m
     return [
         CollectiveBytes(
             "ep",
             "all_to_all",
             dim_name(dims, "ep"),
-            per_layer_calls * len(layers),
-            (rows_bytes + counts) * len(layers),
+            forward_calls * runs + backward_calls * len(layers),
+            (2 * trip + counts) * runs + 2 * trip * len(layers),
             balanced=True,
         )
     ]
@@ -159,21 +213,25 @@ def _expert_dispatch(
 def _pipeline(
     dims: ParallelDims, inventory: Inventory, pp_rank: int, held: tuple[ParamEntry, ...]
 ) -> list[CollectiveBytes]:
+    """Per micro-batch, every stage boundary between two pipeline ranks carries the activation
+    forward and its gradient back; a boundary between two stages on the same rank (the V
+    schedules' turn) is passed in memory. Stage placement is the job's (``Inventory.holder``)."""
     if dims.pp == 1:
         return []
     micro = inventory.local_batch // inventory.microbatches
     itemsize = max(p.itemsize for p in held)
     act = micro * inventory.seq_len * inventory.hidden * itemsize
     m = inventory.microbatches
+    crossings = 0
+    for stage in inventory.stages_of(pp_rank):
+        for neighbour in (stage - 1, stage + 1):
+            if 0 <= neighbour < inventory.n_stages and inventory.holder(neighbour) != pp_rank:
+                crossings += 1
     dim = dim_name(dims, "pp")
-    out = []
-    if pp_rank < dims.pp - 1:  # activations out, their gradients back
-        out += [CollectiveBytes("pp", "send", dim, m, m * act)]
-        out += [CollectiveBytes("pp", "recv", dim, m, m * act)]
-    if pp_rank > 0:
-        out += [CollectiveBytes("pp", "recv", dim, m, m * act)]
-        out += [CollectiveBytes("pp", "send", dim, m, m * act)]
-    return out
+    return [
+        CollectiveBytes("pp", "send", dim, crossings * m, crossings * m * act),
+        CollectiveBytes("pp", "recv", dim, crossings * m, crossings * m * act),
+    ]
 
 
 def _muon(
