@@ -3,9 +3,10 @@ gradient and optimizer-state bytes equal the local shards a real rank holds, and
 activations of a step are within 10% of what the activation tracker counts on that rank.
 
 Every layout kind (fsdp, hsdp, ep, pp) and rank count (1, 2, 4, 8) is covered at least once, for
-the built-in MoE and two transformers families. Activations are not exact: the prediction
-assumes balanced routing (every expert gets the same share of the token slots), the real run
-routes by its router's scores.
+the built-in MoE and two transformers families. The runs come from the ``measured_run`` fixture,
+so a test that checks other predictions on the same case shares its launch. Activations are not
+exact: the prediction assumes balanced routing (every expert gets the same share of the token
+slots), the real run routes by its router's scores.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import pytest
 
 from hyperparallel.parallel.mesh import parse_mesh
 from hyperparallel.plan.inventory import build_meta_model, model_inventory
-from hyperparallel.plan.measure import RankMeasurement, measure_rank
+from hyperparallel.plan.measure import RankMeasurement
 from hyperparallel.plan.memory import rank_memory
 from hyperparallel.train.config import TrainConfig
-from npu_core.dist import launch
-from packages.hyperparallel.tests.plan.cases import tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -69,8 +68,7 @@ def _check_memory(cfg: TrainConfig, world: int, measured: list[RankMeasurement])
 
 
 @pytest.mark.parametrize(("family", "world", "mesh", "extra"), CASES)
-def test_predicted_memory_matches_the_run(tmp_path, family, world, mesh, extra):
+def test_predicted_memory_matches_the_run(measured_run, family, world, mesh, extra):
     """Shards and optimizer state exact, saved activations within 10%, on every rank."""
-    cfg = tiny_config(tmp_path, family, mesh, extra)
-    measured = launch(measure_rank, world, cfg, timeout=900)
+    cfg, measured = measured_run(family, world, mesh, extra)
     _check_memory(cfg, world, measured)
