@@ -431,9 +431,12 @@ def dispatch_activations(inv: Inventory, micro_batch: int) -> dict[int, Activati
 
     - the expert outputs of the received rows in the senders' order (``back``, ``[R, hidden]``),
       which the return exchange holds for backward,
-    - this rank's expert stacks as :meth:`~ExpertParallelDispatch.local_experts` gathers them
-      (``E / ep`` experts of every stack: autograd saves them for the expert GEMMs, and they
-      are no parameters),
+    - under ``dp_shard > 1``, this rank's expert stacks as
+      :meth:`~ExpertParallelDispatch.local_experts` gathers them over ``dp_shard`` (``E / ep``
+      experts of every stack): a fresh copy per forward that autograd saves for the expert GEMMs
+      until the block's backward, so one per micro-batch in flight (with ``dp_shard`` 1 the
+      "gathered" stacks are views of the parameters: no memory, though the activation tracker
+      counts them once),
     - two more ``int64`` indices over the routed pairs (the send gather and the combine each
       index by ``pairs // top_k``; the local path indexes its per-expert token ids once),
     - for a transformers model, one more ``[R, hidden]``: its experts' own forward runs on the
@@ -458,7 +461,7 @@ def dispatch_activations(inv: Inventory, micro_batch: int) -> dict[int, Activati
     exchanged += 2 * rows * torch.empty((), dtype=torch.long).element_size()
     result = {}
     for block, stacks in stack_bytes.items():
-        nbytes = exchanged + stacks // inv.dims.ep
+        nbytes = exchanged + (stacks // inv.dims.ep if inv.dims.dp_shard > 1 else 0)
         if inv.block_policies[block] == "none":
             result[block] = ActivationBytes(device=nbytes)
         else:
