@@ -11,11 +11,20 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hyperparallel.activation.policy import CheckpointPolicy
+from hyperparallel.activation.report import storage_owner
 from hyperparallel.activation.swap import SwappedStorage, TensorMeta
 
+StorageAddress = tuple[torch.device, int]
 
-def storage_address(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    return tensor.device, tensor.untyped_storage().data_ptr()
+
+def storage_address(tensor: torch.Tensor) -> StorageAddress | None:
+    """Where ``tensor``'s data lives: the address of its storage, or of the one tensor a wrapper
+    subclass (an in-flight collective's result, a DTensor) wraps. None for a wrapper of several
+    tensors: nothing names it, so it is kept as is."""
+    owner = storage_owner(tensor)
+    if owner is None:
+        return None
+    return owner.device, owner.untyped_storage().data_ptr()
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class OpRecord:
     index: int
     op: Any  # the OpOverload
     policy: CheckpointPolicy
-    swaps: dict[tuple[torch.device, int], SwappedStorage] = field(default_factory=dict)
+    swaps: dict[StorageAddress, SwappedStorage] = field(default_factory=dict)
 
 
 @dataclass

@@ -38,10 +38,13 @@ class RegionInputs:
         self._tensors = {i: x for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
         self._meta = {i: TensorMeta.of(x) for i, x in self._tensors.items()}
         self._versions = {i: x._version for i, x in self._tensors.items()}
+        addresses = {
+            i: storage_address(x) for i, x in self._tensors.items() if not is_parameter_like(x)
+        }
         self._ptrs = {
-            storage_address(x): i
-            for i, x in self._tensors.items()
-            if not is_parameter_like(x) and x.untyped_storage().nbytes()
+            address: i
+            for i, address in addresses.items()
+            if address is not None and self._tensors[i].untyped_storage().nbytes()
         }
         self._swaps: dict[int, SwappedStorage] = {}
 
@@ -51,7 +54,8 @@ class RegionInputs:
 
     def index_of(self, tensor: torch.Tensor) -> int | None:
         """The input whose storage ``tensor`` uses (weights excluded), if any."""
-        return self._ptrs.get(storage_address(tensor))
+        address = storage_address(tensor)
+        return None if address is None else self._ptrs.get(address)
 
     @property
     def offloaded(self) -> bool:

@@ -24,6 +24,7 @@ from hyperparallel.activation._stored import (
     tensors_of,
 )
 from hyperparallel.activation.policy import CheckpointPolicy, PolicyContext, PolicyFn
+from hyperparallel.activation.report import storage_owner
 
 
 class OpRecorder:
@@ -67,18 +68,20 @@ class OpRecorder:
         elif choice.is_swap:
             self.cache[index] = SwappedOutputs(out, record)
         for t in fresh:
-            self._produced[storage_address(t)] = (StorageWeakRef(t.untyped_storage()), record)
+            self.record_saved(t, record)
 
     def record_saved(self, tensor: torch.Tensor, record: OpRecord) -> None:
-        """Note ``record`` as the producer of a tensor decided at save time (size rules)."""
-        self._produced[storage_address(tensor)] = (
-            StorageWeakRef(tensor.untyped_storage()),
-            record,
-        )
+        """Note ``record`` as the producer of ``tensor``'s storage (the one its data lives in)."""
+        owner = storage_owner(tensor)
+        if owner is not None:
+            address = storage_address(owner)
+            assert address is not None
+            self._produced[address] = (StorageWeakRef(owner.untyped_storage()), record)
 
     def producer(self, tensor: torch.Tensor) -> OpRecord | None:
         """The region op that allocated ``tensor``'s storage, if the storage is still that one."""
-        entry = self._produced.get(storage_address(tensor))
+        address = storage_address(tensor)
+        entry = None if address is None else self._produced.get(address)
         if entry is None or entry[0].expired():
             return None
         return entry[1]

@@ -38,7 +38,7 @@ from hyperparallel.activation.observers import RegionObserver, RegionStats, acti
 from hyperparallel.activation.policy import CheckpointPolicy, PolicyFn
 from hyperparallel.activation.recording import ForwardMode, OpRecorder
 from hyperparallel.activation.replay import Replay
-from hyperparallel.activation.report import current_tracker, is_parameter_like
+from hyperparallel.activation.report import current_tracker, is_parameter_like, storage_owner
 from hyperparallel.activation.rng import ForwardState
 from hyperparallel.activation.swap import SwappedStorage, TensorMeta
 
@@ -186,9 +186,10 @@ class Region:
             if index is None:
                 return self._keep(tensor, lambda: f"a tensor from outside region {self.name!r}")
             return self._keep(tensor, lambda: f"input {index} of checkpoint region {self.name!r}")
-        if record.policy.is_save:
+        if record.policy.is_save or (record.policy.is_swap and storage_owner(tensor) is not tensor):
+            # A wrapper subclass's storage has no bytes to copy to host: it stays on device.
             return self._keep(tensor, lambda: f"output of {record.op} in {self.name!r}")
-        if record.policy.is_swap:
+        if record.policy.is_swap and key is not None:
             swap = record.swaps.get(key)
             if swap is None:
                 # The description holds plain values, not the record or the region: both hold

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 Placement = Literal["device", "host", "recomputed"]
 PLACEMENTS: tuple[Placement, ...] = ("device", "host", "recomputed")
@@ -53,6 +54,25 @@ def is_parameter_like(tensor: torch.Tensor) -> bool:
     """A leaf that requires grad (a weight), or a view of one."""
     base = tensor._base if tensor._base is not None else tensor
     return base.is_leaf and base.requires_grad
+
+
+def storage_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose own storages hold ``tensor``'s data: itself, or the tensors it wraps.
+
+    A wrapper subclass (a functional collective's in-flight result, a DTensor) has a storage
+    object with no memory behind it, whose data pointer cannot be read: its data lives in the
+    tensors it wraps, whose storages are the ones to key by and count.
+    """
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    inner, _ = tensor.__tensor_flatten__()
+    return [t for name in inner for t in storage_tensors(getattr(tensor, name))]
+
+
+def storage_owner(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor whose storage holds ``tensor``'s data; None for a wrapper of several."""
+    owners = storage_tensors(tensor)
+    return owners[0] if len(owners) == 1 else None
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[Hashable, int]:
@@ -96,15 +116,17 @@ class ActivationTracker:
     def add_tensor(self, tensor: torch.Tensor, placement: Placement) -> None:
         """Count ``tensor``'s storage, unless it is a parameter."""
         if not is_parameter_like(tensor):
-            key, nbytes = self._key(tensor)
-            self.add(key, nbytes, placement)
+            for owner in storage_tensors(tensor):
+                key, nbytes = self._key(owner)
+                self.add(key, nbytes, placement)
 
     def move_tensor(self, tensor: torch.Tensor, placement: Placement) -> None:
         """Count ``tensor``'s (live) storage under ``placement`` from now on (e.g. an input
         swapped to host)."""
         if not is_parameter_like(tensor):
-            key, nbytes = self._key(tensor)
-            self._bytes[key] = (nbytes, placement)
+            for owner in storage_tensors(tensor):
+                key, nbytes = self._key(owner)
+                self._bytes[key] = (nbytes, placement)
 
     def report(self) -> ActivationReport:
         """Totals so far."""
