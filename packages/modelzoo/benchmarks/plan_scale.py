@@ -3,11 +3,11 @@
 Usage: python packages/modelzoo/benchmarks/plan_scale.py --out DIR [--plot FILE] [--device h100]
 
 For deepseek-v3.2 and qwen3-30b-a3b-instruct-2507, two meshes per world size (64, 1,024, 16,384):
-the worst rank's memory, the bytes per step of each collective on its mesh dimension (where the
-collective model covers the layout), Newton-Schulz max / mean over ranks under hyperparallel's
-owner assignment, gather-all Muon and a one-matrix-per-rank all-to-all scheme, and the step
-estimate. The plot: qwen3-30b-a3b's worst-rank peak memory and step estimate against the world
-size on one mesh family (pp=16 x dp_shard). Nothing runs on a device: every number is the planner's.
+the worst rank's memory, the bytes per step of each collective on its mesh dimension,
+Newton-Schulz max / mean over ranks under hyperparallel's owner assignment, gather-all Muon and
+a one-matrix-per-rank all-to-all scheme, and the step estimate. The plot: qwen3-30b-a3b's
+worst-rank peak memory and step estimate against the world size on one mesh family
+(pp=16 x dp_shard). Nothing runs on a device: every number is the planner's.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ MESHES = {
         16384: ["pp=16,dp_shard=1024", "pp=16,dp_replicate=8,ep=8,dp_shard=16"],
     },
 }
-"""Per card and world size: one mesh the collective model covers (pp x ep, or pp x FSDP), and
-one with expert parallelism inside FSDP groups."""
+"""Per card and world size: one mesh without expert parallelism inside FSDP groups (pp x ep, or
+pp x FSDP), and one with it."""
 
 PLOT_CARD = "qwen3-30b-a3b-instruct-2507"
 PLOT_WORLDS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -63,7 +63,7 @@ PLOT_WORLDS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 def plot_mesh(world: int) -> str:
     """The plot's mesh family: 16 pipeline stages, FSDP over the rest (experts sharded on E with
-    the dense weights), a layout whose collectives the planner covers at every size."""
+    the dense weights), a layout that exists at every world size of the plot."""
     return f"pp=16,dp_shard={world // 16}"
 
 
@@ -95,7 +95,6 @@ def row(card_id: str, plan: Plan) -> dict[str, Any]:
         "transient": worst.transient,
         "peak": worst.peak,
         "collectives": collectives,
-        "collectives_missing": plan.collectives_missing,
         "ns": {
             scheme: {"max_flops": w.max_flops, "mean_flops": w.mean_flops, "balance": w.balance}
             for scheme, w in plan.ns.items()
@@ -116,10 +115,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             size(r[k])
             for k in ("params", "grads", "optimizer", "activations_peak_device", "transient")
         )
-        if r["collectives_missing"]:
-            moved = "not modelled for ep inside FSDP groups"
-        else:
-            moved = "<br>".join(f"{k}: {size(v)}" for k, v in sorted(r["collectives"].items()))
+        moved = "<br>".join(f"{k}: {size(v)}" for k, v in sorted(r["collectives"].items()))
         ns = r["ns"]
         lines.append(
             f"| {r['card']} | {r['world']} | `{r['mesh']}` | {memory} = **{size(r['peak'])}** | "

@@ -53,9 +53,13 @@ def test_bad_input_is_refused_before_planning(monkeypatch, args, message):
     assert message in lines[0]
 
 
-def test_a_plan_prints_every_table():
-    """Memory per rank, collectives, Newton-Schulz balance and the step estimate."""
-    result = _invoke("--world", "4", "--mesh", "pp=2,dp_shard=2", "--set", "model.n_layers=4")
+@pytest.mark.parametrize(
+    ("mesh", "collective"), [("pp=2,dp_shard=2", "pp"), ("ep=2,dp_shard=2", "expert_fsdp")]
+)
+def test_a_plan_prints_every_table(mesh, collective):
+    """Memory per rank, collectives, Newton-Schulz balance and the step estimate, for a pipeline
+    and for experts sharded inside FSDP groups (their own gathers over ``dp_shard`` listed)."""
+    result = _invoke("--world", "4", "--mesh", mesh, "--set", "model.n_layers=4")
     assert result.exit_code == 0, result.output
     for title in (
         "Memory per rank",
@@ -64,7 +68,8 @@ def test_a_plan_prints_every_table():
         "Step-time estimate on NVIDIA H100",
     ):
         assert title in result.output
-    assert "pp=2,dp_shard=2" in result.output
+    assert mesh in result.output
+    assert f"│ {collective} " in result.output
 
 
 def test_search_lists_only_meshes_that_fit():

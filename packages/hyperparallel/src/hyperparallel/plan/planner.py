@@ -39,8 +39,6 @@ class Plan:
         collectives: per step, for each representative rank (:attr:`ranks`).
         estimates: step time of each representative rank, when a profile was given.
         profile: the device profile of the estimate, or None.
-        collectives_missing: why no collective could be predicted for this layout (the
-            estimate then counts compute and Newton-Schulz only), or None.
     """
 
     cfg: TrainConfig
@@ -51,7 +49,6 @@ class Plan:
     collectives: dict[int, list[CollectiveBytes]]
     estimates: dict[int, StepEstimate]
     profile: DeviceProfile | None
-    collectives_missing: str | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -104,13 +101,9 @@ def make_plan(
         pp = mesh_coords(dims, m.rank)["pp"]
         if pp not in representatives or m.peak > representatives[pp].peak:
             representatives[pp] = m
-    collectives: dict[int, list[CollectiveBytes]] = {}
-    missing = None
-    for m in representatives.values():
-        try:
-            collectives[m.rank] = predict_collectives(cfg, dims, inv, m.rank)
-        except ValueError as exc:  # a layout the collective model does not cover yet
-            collectives[m.rank], missing = [], str(exc)
+    collectives: dict[int, list[CollectiveBytes]] = {
+        m.rank: predict_collectives(cfg, dims, inv, m.rank) for m in representatives.values()
+    }
     dtype = next(meta.module.parameters()).dtype
     estimates = {}
     if profile is not None:
@@ -118,7 +111,7 @@ def make_plan(
             estimates[rank] = estimate_step(
                 inv, blocks, ns["hyperparallel"], found, rank, profile, dtype, efficiency
             )
-    return Plan(cfg, inv, blocks, memory, ns, collectives, estimates, profile, missing)
+    return Plan(cfg, inv, blocks, memory, ns, collectives, estimates, profile)
 
 
 def param_dtype(plan: Plan) -> torch.dtype:

@@ -153,11 +153,7 @@ def print_plan(plan: Plan, console: Console) -> None:
     """Every table of ``plan``."""
     console.print(header(plan))
     console.print(memory_table(plan))
-    worst = plan.worst.rank
-    if plan.collectives_missing:
-        console.print(f"collectives not predicted: {plan.collectives_missing}")
-    else:
-        console.print(collectives_table(plan, worst))
+    console.print(collectives_table(plan, plan.worst.rank))
     console.print(ns_table(plan))
     if plan.estimates:
         console.print(estimate_table(plan))

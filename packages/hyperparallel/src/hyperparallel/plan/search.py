@@ -118,14 +118,12 @@ def print_search(
     table = Table(title=f"Meshes of {world} ranks that fit {size(limit)} per rank, fastest first")
     for column in ("mesh", "peak (worst rank)", "step estimate", "NS max / mean"):
         table.add_column(column, justify="right")
-    table.add_column("collectives in the estimate")
     for plan in found.fitting[:top]:
         table.add_row(
             plan.inventory.dims.spec(),
             size(plan.worst.peak),
             seconds(plan.step_seconds or 0.0),
             f"{plan.ns['hyperparallel'].balance:.3f}",
-            "not modelled (the estimate is a lower bound)" if plan.collectives_missing else "all",
         )
     console.print(table)
     console.print(
