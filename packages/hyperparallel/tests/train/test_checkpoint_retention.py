@@ -173,10 +173,12 @@ def test_cli_help_lists_keep_checkpoints():
 
 
 @pytest.mark.distributed
-def test_training_keeps_k_and_resumes_past_a_damaged_newest(tmp_path, capfd):
+def test_training_keeps_k_and_resumes_past_a_damaged_newest(tmp_path):
     """Real ranks: saving every 2 steps with K=2 leaves steps 8 and 10. With step 10 damaged, a
-    resume with K=1 saves step 9 and keeps it beside the damaged 10 (warning); the next resume
-    starts from 9. The user's files in the checkpoints folder survive both."""
+    resume with K=1 saves step 9 and keeps it beside the damaged 10; the next resume starts from
+    9. The user's files in the checkpoints folder survive both. (The warning's text is checked by
+    the unit tests above: rank 0 prints it to the stderr its launcher's forkserver inherited,
+    which belongs to whichever test started that server.)"""
     root = tmp_path / "checkpoints"
     done = _train(
         tmp_path, "--steps", "10", "--set", "checkpoint_every=2", "--keep-checkpoints", "2"
@@ -188,14 +190,10 @@ def test_training_keeps_k_and_resumes_past_a_damaged_newest(tmp_path, capfd):
     shard.write_bytes(shard.read_bytes()[:100])
     users = _users_files(root)
     (root / ".tmp-step_0000007").mkdir()  # a save that crashed
-    capfd.readouterr()
     resumed = _train(tmp_path, "--resume", "--steps", "9", "--keep-checkpoints", "1")
     assert resumed.exit_code == 0, resumed.output
     assert "steps 8->9" in resumed.output
     assert _names(root) == ["step_0000009", "step_0000010"]
-    err = capfd.readouterr().err
-    assert "warning: keeping step_0000009 beyond keep_checkpoints=1: it is the newest intact" in err
-    assert "RuntimeWarning" not in err
 
     again = _train(tmp_path, "--resume", "--steps", "10", "--keep-checkpoints", "1")
     assert again.exit_code == 0, again.output
