@@ -19,6 +19,17 @@ def _gathered_then_scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (gathered * gathered).tanh()
 
 
+def _wrapper_is_differentiable() -> bool:
+    """Whether this torch wraps a collective result inside autograd (``_wrap_tensor_autograd``);
+    torch 2.9 returns a detached wrapper, so no gradient could reach the inputs through it."""
+    probe = torch.ones(1, requires_grad=True) * 2
+    return _maybe_wrap_tensor(probe).grad_fn is not None
+
+
+@pytest.mark.skipif(
+    not _wrapper_is_differentiable(),
+    reason="this torch's functional-collective wrapper is detached from autograd",
+)
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_saved_collective_result_wrapper_gives_reference_gradients(policy):
     torch.manual_seed(0)

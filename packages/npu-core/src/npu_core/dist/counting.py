@@ -14,13 +14,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import GroupName
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:  # a type only: torch 2.9, the floor, does not define it
+    from torch.distributed.distributed_c10d import GroupName
 
 OBJECT = "object"
 """Kind of every collective issued inside a ``*_object`` / ``*_object_list`` call of torch."""
@@ -189,7 +191,7 @@ def _group(bound: dict[str, Any]) -> dist.ProcessGroup:
     """The ProcessGroup of a c10d op (a boxed object) or of a functional op (a name or boxed)."""
     value = bound["process_group"] if "process_group" in bound else bound["group_name"]
     if isinstance(value, str):
-        return dist.distributed_c10d._resolve_process_group(GroupName(value))
+        return dist.distributed_c10d._resolve_process_group(cast("GroupName", value))
     if isinstance(value, dist.ProcessGroup):
         return value
     return dist.ProcessGroup.unbox(value)
