@@ -94,6 +94,10 @@ def _engine_counts(inv: Inventory, rank: int) -> int:
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(
+    torch.__version__ < "2.10",
+    reason="torch 2.9's DeviceMesh cannot resolve the sub-mesh groups of a fake process group",
+)
 @pytest.mark.parametrize(
     ("mesh", "world"),
     [("2x4", 8), ("dp_replicate=2,ep=2,dp_shard=2", 8), ("pp=2,dp_replicate=3,dp_shard=2", 12)],

@@ -35,7 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 from hyperparallel.activation import CheckpointPolicy, PolicyContext, PolicyFn, resolve
 from hyperparallel.activation.report import is_parameter_like
@@ -176,7 +176,7 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     }
     if func in causal_at:
         query, key, value = args[:3]
-        full = sdpa_flop_count(query.shape, key.shape, value.shape)
+        full = _attention_flops(query.shape, key.shape, value.shape)
         at = causal_at[func]
         causal = args[at] if len(args) > at else kwargs.get("is_causal", False)
         return int(full // 2 if causal else full)
@@ -187,6 +187,15 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         return 2 * a.shape[0] * a.shape[1] * b.shape[-1]  # [M, S] x [S, N], groups along S
     formula = flop_registry.get(func._overloadpacket)
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+
+
+def _attention_flops(query: torch.Size, key: torch.Size, value: torch.Size) -> int:
+    """FLOPs of ``softmax(Q K^T) V`` without a mask: the two batched matmuls, per query head.
+    Grouped-query attention shares each key/value head among several query heads, so the count
+    follows the query's heads (torch 2.9's ``sdpa_flop_count`` asserts equal head counts)."""
+    batch, heads, queries, head_dim = query
+    keys, value_dim = key[-2], value[-1]
+    return 2 * batch * heads * queries * keys * (head_dim + value_dim)
 
 
 def _grouped_mm(
