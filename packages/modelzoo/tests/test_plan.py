@@ -40,6 +40,10 @@ def _refused(args: list[str], expected: str) -> None:
             ["qwen3-30b-a3b-instruct-2507", "--world", "64", "--mesh", "pp=64"],
             "fewer than the 64 pipeline stages",
         ),
+        (
+            ["qwen3-0.6b", "--world", "2", "--layers", "29"],
+            "--layers 29",
+        ),
     ],
 )
 def test_a_refused_plan_is_one_line(monkeypatch, args, expected):
@@ -62,3 +66,15 @@ def test_a_card_is_planned_at_its_published_size():
     assert "Qwen3MoeForCausalLM: 30.5 B parameters, 48 blocks; world 16" in result.output
     for title in ("Memory per rank", "Newton-Schulz per rank", "Step-time estimate"):
         assert title in result.output
+
+
+def test_layers_plans_the_first_layers_at_the_published_width():
+    """--layers 1 of qwen3-30b-a3b on 2 ranks, as `modelzoo train --full-size --layers 1` runs it:
+    128 experts of 3 x 2048 x 768 (604 M) and the untied embedding and head (2 x 311 M) make
+    1.25 B parameters in one block."""
+    result = CliRunner().invoke(
+        app,
+        ["plan", "qwen3-30b-a3b-instruct-2507", "--world", "2", "--mesh", "ep=2", "--layers", "1"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "Qwen3MoeForCausalLM: 1.25 B parameters, 1 blocks; world 2" in result.output

@@ -344,7 +344,7 @@ def plan(
     name: Annotated[
         str, typer.Argument(help="Card id of a full LLM card with a published config.")
     ],
-    world: Annotated[int, typer.Option(help="Ranks of the run (8 to 16,384 and beyond).")],
+    world: Annotated[int, typer.Option(help="Ranks of the run (2 to 16,384 and beyond).")],
     mesh: Annotated[
         str | None,
         _job_option("parallel.mesh", "Mesh over --world ranks, e.g. 'pp=8,ep=8,dp_shard=16'."),
@@ -352,6 +352,13 @@ def plan(
     seq_len: Annotated[int | None, _job_option("data.seq_len", "Tokens per sample.")] = None,
     batch_size: Annotated[
         int | None, _job_option("data.batch_size", "Samples per data-parallel rank per step.")
+    ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            help="Keep the first N decoder layers at the published width, as `modelzoo train "
+            "--full-size --layers N` trains it (does that run fit?)."
+        ),
     ] = None,
     device: Annotated[
         str, typer.Option(help="Device profile: h100, h200, ascend-910b, cpu or a .toml file.")
@@ -387,11 +394,12 @@ def plan(
         for key, value in {"mesh": mesh, "seq_len": seq_len, "batch_size": batch_size}.items():
             if value is not None:
                 set_dotted(job, JOB_FLAGS[key], value)
-        TrainOptions.validate_tree({"full_size": True, "job": job})
+        TrainOptions.validate_tree({"full_size": True, "layers": layers, "job": job})
         planning.plan_card(
             card,
             job,
             world,
+            layers=layers,
             device=device,
             search=search,
             device_memory=device_memory,

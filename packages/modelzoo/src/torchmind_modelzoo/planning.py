@@ -18,6 +18,7 @@ from rich.console import Console
 from torchmind_modelzoo import training
 from torchmind_modelzoo.build import LibraryMissingError
 from torchmind_modelzoo.checks import InputError
+from torchmind_modelzoo.model_shape import check_model_source
 from torchmind_modelzoo.options import TrainOptions
 from torchmind_modelzoo.schema import ModelCard
 
@@ -49,26 +50,29 @@ def plan_card(
     job: dict[str, Any],
     world: int,
     *,
+    layers: int | None = None,
     device: str,
     search: bool,
     device_memory: str | None,
     efficiency: float | None,
     console: Console,
 ) -> None:
-    """Print hyperparallel's plan of ``card`` at its published size on ``world`` ranks.
+    """Print hyperparallel's plan of ``card`` at its published size on ``world`` ranks, or with
+    its first ``layers`` decoder layers only (as ``modelzoo train --full-size --layers`` trains it).
 
     Raises:
         InputError: the card, a setting or the layout is refused (hyperparallel's one line).
         LibraryMissingError: hyperparallel or transformers is not installed.
     """
     check_plannable(card)
+    options = TrainOptions(full_size=True, layers=layers, job=job)
+    check_model_source(card, options)
     if importlib.util.find_spec("hyperparallel") is None:
         raise LibraryMissingError(
             "modelzoo plan needs hyperparallel: pip install 'torchmind-modelzoo[train]'"
         )
     from hyperparallel.plan.command import run_plan
 
-    options = TrainOptions(full_size=True, job=job)
     with tempfile.TemporaryDirectory(prefix="modelzoo-plan-") as folder:
         model = training.write_model_config(card, options, Path(folder))
         cfg = training.train_config(card, options, model)
