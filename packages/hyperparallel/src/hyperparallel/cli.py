@@ -152,7 +152,7 @@ PLAN_FLAGS = {
 @config_options(TrainConfig, flags=PLAN_FLAGS, base=_preset)
 def plan(
     config: TrainConfig,
-    world: Annotated[int, typer.Option(help="Ranks of the run (8 to 16,384 and beyond).")],
+    world: Annotated[int, typer.Option(help="Ranks of the run (2 to 16,384 and beyond).")],
     preset: Annotated[
         str, typer.Option(help=f"Base configuration: {', '.join(PRESETS)}.")
     ] = "default",
