@@ -29,6 +29,7 @@ CASES = [
     pytest.param("moe", 2, "pp=2", ("parallel.microbatches=2",), id="moe-2-pp"),
     pytest.param("qwen3", 2, "fsdp", (), id="qwen3-2-fsdp"),
     pytest.param("qwen3-moe", 2, "ep=2", (), id="qwen3-moe-2-ep"),
+    pytest.param("qwen3-moe", 2, "ep=2", ("dtype=bf16",), id="qwen3-moe-2-ep-bf16"),
     pytest.param("moe", 4, "2x2", (), id="moe-4-hsdp", marks=pytest.mark.slow),
     pytest.param(
         "qwen3-moe",
@@ -72,3 +73,14 @@ def test_predicted_memory_matches_the_run(measured_run, family, world, mesh, ext
     """Shards and optimizer state exact, saved activations within 10%, on every rank."""
     cfg, measured = measured_run(family, world, mesh, extra)
     _check_memory(cfg, world, measured)
+
+
+def test_bf16_halves_each_ranks_model_state(measured_run):
+    """``dtype=bf16``: parameter, gradient and optimizer-state bytes of every rank of a real run
+    are half the fp32 run's on the same layout (the planner's bf16 case is checked above)."""
+    _, fp32 = measured_run("qwen3-moe", 2, "ep=2", ())
+    _, bf16 = measured_run("qwen3-moe", 2, "ep=2", ("dtype=bf16",))
+    for full, half in zip(fp32, bf16, strict=True):
+        assert 2 * half.param_bytes == full.param_bytes, f"rank {half.rank}: parameters"
+        assert 2 * half.grad_bytes == full.grad_bytes, f"rank {half.rank}: gradients"
+        assert 2 * half.optimizer_bytes == full.optimizer_bytes, f"rank {half.rank}: optimizer"

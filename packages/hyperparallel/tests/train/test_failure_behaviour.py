@@ -338,6 +338,19 @@ def test_resume_with_changed_model_or_data_settings_is_refused(tmp_path, snapsho
     assert snapshot(tmp_path) == before
 
 
+def test_resume_in_another_dtype_is_refused(tmp_path):
+    """The parameters' dtype is a model setting: an fp32 run resumed with ``dtype=bf16`` is
+    refused, naming it, unless the change is intended."""
+    _finished_run(tmp_path, _cfg(tmp_path))
+    changed = _cfg(tmp_path, "dtype='bf16'", "steps=40")
+    with pytest.raises(ValueError, match=r"dtype 'fp32' -> 'bf16'; restore them"):
+        job.check(changed, resume=True)
+    assert job.check(changed, resume=True, allow_config_change=True) == [
+        "--resume with changed model or data settings (--allow-config-change): "
+        "dtype 'fp32' -> 'bf16'"
+    ]
+
+
 def test_an_intended_config_change_is_accepted_with_a_warning(tmp_path):
     """--allow-config-change lets the resume through and names the changes; the schedule and
     the layout may change without it."""

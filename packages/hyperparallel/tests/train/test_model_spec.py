@@ -171,6 +171,29 @@ def test_memory_check_counts_one_fp32_copy_per_rank():
         check_host_memory(1000, 5, "a model", available=16_000)
 
 
+def test_memory_check_counts_two_bytes_per_parameter_in_bf16():
+    """``dtype=bf16`` builds the model in bf16: 8 ranks of 1,000 parameters fit 16,000 bytes."""
+    from hyperparallel.train.memory import check_host_memory
+
+    check_host_memory(1000, 8, "a model", available=16_000, dtype="bf16")
+    with pytest.raises(ValueError, match=r"9 ranks each build it whole in bf16 at start-up"):
+        check_host_memory(1000, 9, "a model", available=16_000, dtype="bf16")
+
+
+def test_bf16_builds_the_fp32_weights_rounded():
+    """``dtype=bf16``: every parameter of the built-in MoE is the fp32 build's value in bf16;
+    the RoPE tables stay fp32 (positions are rotated in fp32)."""
+    fp32 = MoESpec(debug()).build_module(torch.device("cpu"))
+    spec = MoESpec(load_config(debug(), overrides=["dtype=bf16"]))
+    bf16 = spec.build_module(torch.device("cpu"))
+    assert spec.dtype is torch.bfloat16
+    pairs = zip(fp32.named_parameters(), bf16.named_parameters(), strict=True)
+    for (name, ref), (_, param) in pairs:
+        assert param.dtype is torch.bfloat16, name
+        assert torch.equal(param, ref.to(torch.bfloat16)), name
+    assert bf16.rope_cos.dtype is torch.float32
+
+
 def test_expert_dispatch_follows_parallel_ep_chunks(monkeypatch: pytest.MonkeyPatch):
     """``parallel.ep_chunks`` reaches the expert-parallel dispatch of the built-in MoE."""
     import hyperparallel.train.model as moe_model

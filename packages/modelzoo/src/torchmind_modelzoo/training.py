@@ -218,7 +218,7 @@ def prepare(
             staged = write_model_config(card, options, Path(staging))
             staged_cfg = train_config(card, options, staged)
             if options.full_size:
-                _check_host_memory(card, options, staged, staged_cfg.parallel.nproc)
+                _check_host_memory(card, options, staged, staged_cfg)
             messages = _check_job(staged_cfg, checks, shown={str(staged): str(model)})
             cfg = train_config(card, options, model)
             _prepare_out_dir(cfg, entries, checks)
@@ -241,12 +241,11 @@ def prepare(
     )
 
 
-def _check_host_memory(
-    card: ModelCard, options: TrainOptions, config_json: Path, nproc: int
-) -> None:
-    """A published-size model must fit the machine once per local rank in fp32 (every rank
-    builds it whole before sharding): counted on the meta device, refused before any rank
-    starts, naming --layers as the way to keep its proportions in less memory."""
+def _check_host_memory(card: ModelCard, options: TrainOptions, config_json: Path, cfg: Any) -> None:
+    """A published-size model must fit the machine once per local rank in the run's parameter
+    dtype (every rank builds it whole before sharding): counted on the meta device, refused
+    before any rank starts, naming --layers as the way to keep its proportions in less
+    memory."""
     import torch
     import transformers
 
@@ -256,12 +255,15 @@ def _check_host_memory(
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     parameters = sum(p.numel() for p in model.parameters())
-    ranks = 1 if is_torchrun() else nproc
+    ranks = 1 if is_torchrun() else cfg.parallel.nproc
     layers = f", --layers {options.layers}" if options.layers is not None else ""
     try:
-        check_host_memory(parameters, ranks, f"{card.id} (--full-size{layers})")
+        check_host_memory(parameters, ranks, f"{card.id} (--full-size{layers})", dtype=cfg.dtype)
     except ValueError as exc:
-        raise InputError(f"{exc}, or --layers N to keep N layers at the published width") from None
+        hint = "" if cfg.dtype == "bf16" else ", --set dtype=bf16 to halve it"
+        raise InputError(
+            f"{exc}, or --layers N to keep N layers at the published width{hint}"
+        ) from None
 
 
 def _check_job(cfg: Any, checks: dict[str, bool], shown: dict[str, str] | None = None) -> list[str]:

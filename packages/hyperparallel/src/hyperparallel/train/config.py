@@ -197,6 +197,13 @@ class TrainConfig(_Strict):
     )
     out_dir: str = Field("runs/train", description="Checkpoints, metrics.json and loss.png.")
     seed: int = Field(0, description="Seed of weights and data order (same on every rank).")
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Dtype of the parameters, and so of their gradients, optimizer state and "
+        "activations: bf16 halves the model's memory, but an update below bf16's resolution "
+        "(about 1/256 of a weight) is lost, and CPUs without AVX512-BF16/AMX run bf16 GEMMs "
+        "~75x slower. The loss and Muon's exchanges stay fp32.",
+    )
     profile_steps: str = Field(
         "",
         description="Steps to trace with torch.profiler (1-based, as in metrics.json), e.g. "

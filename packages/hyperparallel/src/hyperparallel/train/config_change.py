@@ -20,6 +20,8 @@ DATA_FIELDS = ("data.path", "data.max_bytes", "data.seq_len", "data.val_fraction
 """The corpus, its held-out split, the windows and their order."""
 HF_FIELDS = ("hf.source", "hf.overrides", "hf.tokenizer")
 """The transformers model and its tokenizer (the weights come from the checkpoint)."""
+DTYPE_FIELD = "dtype"
+"""The parameters' dtype, of either model: a resume in another dtype continues other numerics."""
 
 
 def compared_fields(config: dict[str, Any]) -> list[str]:
@@ -29,7 +31,7 @@ def compared_fields(config: dict[str, Any]) -> list[str]:
         model = [f"model.{name}" for name in sorted(config.get("model") or {})]
     else:
         model = list(HF_FIELDS)
-    return [*model, *DATA_FIELDS]
+    return [*model, DTYPE_FIELD, *DATA_FIELDS]
 
 
 _MISSING = object()

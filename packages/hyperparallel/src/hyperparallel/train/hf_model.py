@@ -269,12 +269,12 @@ class TransformersSpec(ModelSpec):
         return ByteBatches(ids, data.seq_len, data.val_fraction, self.cfg.seed)
 
     def build_module(self, device: torch.device) -> nn.Module:
-        """The CausalLM: the folder's weights, or random weights from ``cfg.seed`` (identical on
-        every rank)."""
+        """The CausalLM in ``dtype``, as transformers builds it in that dtype: the folder's
+        weights, or random weights from ``cfg.seed`` (identical on every rank)."""
         if self.model.load_weights:
-            net = build_causal_lm(self.model.folder, load_weights=True)
+            net = build_causal_lm(self.model.folder, load_weights=True, dtype=self.dtype)
         else:
-            net = build_causal_lm(self.model.config, seed=self.cfg.seed)
+            net = build_causal_lm(self.model.config, seed=self.cfg.seed, dtype=self.dtype)
         return net.to(device).train()
 
     def place_experts(self, module: nn.Module, meshes: MeshSet) -> list[nn.Parameter]:

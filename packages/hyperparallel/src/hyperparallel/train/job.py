@@ -55,7 +55,8 @@ def check(
     counted = spec.parameter_count()
     if counted is not None:  # under torchrun this process is the one rank it can see
         parameters, model = counted
-        check_host_memory(parameters, 1 if torchrun else cfg.parallel.nproc, model)
+        ranks = 1 if torchrun else cfg.parallel.nproc
+        check_host_memory(parameters, ranks, model, dtype=cfg.dtype)
     if allow_config_change and not resume:
         raise ValueError("--allow-config-change applies only with --resume")
     # The corpus is read (and tokenized) once here: a missing, empty, binary or too-small source

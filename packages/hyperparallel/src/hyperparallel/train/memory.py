@@ -1,18 +1,20 @@
 """A cheap lower bound of the host memory a run needs, checked before any rank starts.
 
-Every rank builds the whole model in fp32 on the host before FSDP shards it (so that all ranks
-start from the same weights), and the ranks of one machine do so at the same time. A model that
-cannot fit that many times in the machine's memory fails minutes later in every rank with an
-allocator error or the kernel's OOM killer; the product of a few settings says so at once. Only
-this bound is checked: activations, gradients and optimizer state come on top, so a run that
-passes can still run out of memory, and then its rank's failure names the cause.
+Every rank builds the whole model in its parameter dtype on the host before FSDP shards it (so
+that all ranks start from the same weights), and the ranks of one machine do so at the same
+time. A model that cannot fit that many times in the machine's memory fails minutes later in
+every rank with an allocator error or the kernel's OOM killer; the product of a few settings
+says so at once. Only this bound is checked: activations, gradients and optimizer state come on
+top, so a run that passes can still run out of memory, and then its rank's failure names the
+cause.
 """
 
 from __future__ import annotations
 
 import os
 
-FP32_BYTES = 4
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per parameter of each ``dtype`` setting."""
 
 
 def physical_memory_bytes() -> int | None:
@@ -29,26 +31,32 @@ def _gib(n_bytes: float) -> str:
 
 
 def check_host_memory(
-    parameters: int, ranks: int, model: str, available: int | None = None
+    parameters: int,
+    ranks: int,
+    model: str,
+    available: int | None = None,
+    *,
+    dtype: str = "fp32",
 ) -> None:
-    """Refuse a model whose fp32 copies, one per rank of this machine, exceed its memory.
+    """Refuse a model whose copies, one per rank of this machine, exceed its memory.
 
     Args:
         parameters: the model's parameter count.
         ranks: ranks that build it on this machine at the same time.
         model: how the message names the model and its size settings.
         available: bytes of memory (default: :func:`physical_memory_bytes`).
+        dtype: the parameters' dtype setting (``fp32`` or ``bf16``).
 
     Raises:
         ValueError: naming the model, the estimate and the memory.
     """
     available = physical_memory_bytes() if available is None else available
-    need = parameters * FP32_BYTES * ranks
+    need = parameters * DTYPE_BYTES[dtype] * ranks
     if available is None or need <= available:
         return
     copies = f"{ranks} ranks each build it whole" if ranks > 1 else "the rank builds it whole"
     raise ValueError(
-        f"{model} has {parameters:,} parameters; {copies} in fp32 at start-up, at least "
+        f"{model} has {parameters:,} parameters; {copies} in {dtype} at start-up, at least "
         f"{_gib(need)}, above this machine's {_gib(available)} of memory; choose a smaller "
         "model or fewer ranks per machine"
     )

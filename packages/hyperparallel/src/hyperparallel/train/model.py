@@ -64,9 +64,13 @@ class MoESpec(ModelSpec):
         return count, settings
 
     def build_module(self, device: torch.device) -> nn.Module:
-        """The whole model from ``cfg.seed``, so every layout starts from the same weights."""
+        """The whole model from ``cfg.seed``, so every layout starts from the same weights; under
+        ``dtype=bf16`` the fp32 weights rounded (the RoPE tables stay fp32)."""
         torch.manual_seed(self.cfg.seed)
-        return MoETransformer(self.cfg.model).to(device)
+        module = MoETransformer(self.cfg.model).to(device)
+        for param in module.parameters():
+            param.data = param.data.to(self.dtype)
+        return module
 
     def place_experts(self, module: nn.Module, meshes: MeshSet) -> list[nn.Parameter]:
         return apply_expert_parallel(module, meshes, self.expert_dispatch())

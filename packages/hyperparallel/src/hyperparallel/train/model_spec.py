@@ -27,6 +27,9 @@ from hyperparallel.parallel.pipeline import split_layers, stages_per_rank
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.parallel_model import ParallelModel
 
+PARAMETER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``dtype`` setting -> the parameters' torch dtype."""
+
 Losses = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 """``(inputs, targets) -> (mean cross-entropy, balance loss)`` of a whole (unpipelined) model."""
 
@@ -44,6 +47,11 @@ class ModelSpec(ABC):
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (``dtype``): what :meth:`build_module` builds them in."""
+        return PARAMETER_DTYPES[self.cfg.dtype]
 
     @property
     @abstractmethod
