@@ -2,19 +2,22 @@
 torch.optim.AdamW and with torch.optim.Muon, side by side in one run.
 
 Usage: python packages/modelzoo/benchmarks/full_size.py --out DIR [--card qwen3-0.6b]
-    [--layers N] [--steps 4] [--rounds 2] [--seq-len 256] [--global-batch 2]
+    [--layers N] [--steps 4] [--rounds 2] [--seq-len 256] [--global-batch 2] [--mesh fsdp]
+    [--dtype fp32]
 
 The model is what ``modelzoo train CARD --full-size [--layers N]`` trains: the card's published
 config, random weights from seed 0, bytes of the Python stdlib as tokens. Three variants, each
 on 2 fresh ranks, one after another in a round, the order reversed every other round, so that
 load from other jobs hits all of them alike:
 
-- ``hyperparallel``: the job itself (FSDP2 per decoder block, Muon on hidden matrices
-  de-duplicated over the ranks, AdamW on the rest), its own step records.
+- ``hyperparallel``: the job itself on ``--mesh`` (FSDP2 per decoder block, experts placed
+  first under ``ep``, Muon on hidden matrices de-duplicated over the ranks, AdamW on the
+  rest), its own step records.
 - ``FSDP2 + AdamW``: torch's ``fully_shard`` per decoder block and the root, the same way,
   and ``torch.optim.AdamW`` on every parameter.
 - ``FSDP2 + torch Muon``: the same with ``torch.optim.Muon`` on the matrices hyperparallel routes
-  to Muon (2-D; its docs route the rest to AdamW). Muon takes the FSDP2 DTensor shards as they
+  to Muon that are 2-D (torch's Muon takes only 2-D parameters, so a MoE's ``[E, M, N]``
+  expert stacks go to AdamW there). Muon takes the FSDP2 DTensor shards as they
   are: DTensor redistributes the shards for its Newton-Schulz matmuls, and its update equals the
   unsharded one, so no gather is added.
 
@@ -24,7 +27,7 @@ optimizer, not the loss, is what differs. Per variant: medians over the steps af
 (step = forward + backward + optimizer, rank 0's clock), each rank's peak memory of a step
 (device peak allocated, on CPU the rank's peak resident set), and step-time and peak ratios
 against FSDP2 + AdamW (medians of per-round ratios). The job's final checkpoint is skipped: it is
-not part of a step.
+not part of a step. ``--dtype bf16`` builds every variant's model in bf16.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def job_config(args: argparse.Namespace, folder: Path) -> Any:
         "eval_batches": 1,
         "checkpoint_every": args.steps,
         "optim": {"warmup_steps": 1},
+        "parallel": {"nproc": 2, "mesh": args.mesh},
+        "dtype": args.dtype,
     }
     options = TrainOptions(full_size=True, layers=args.layers, job=job)
     return train_config(card, options, write_model_config(card, options, folder / "model"))
@@ -107,8 +112,8 @@ def _optimizers(lm: Any, variant: str, cfg: Any) -> list[torch.optim.Optimizer]:
     if variant == BASELINE:
         adamw = [p for _, p in params]
         return [torch.optim.AdamW(adamw, lr=optim.adamw_lr, weight_decay=optim.weight_decay)]
-    muon = [p for name, p in params if lm.classify(name, p) == "muon"]
-    rest = [p for name, p in params if lm.classify(name, p) != "muon"]
+    muon = [p for name, p in params if lm.classify(name, p) == "muon" and p.ndim == 2]
+    rest = [p for name, p in params if lm.classify(name, p) != "muon" or p.ndim != 2]
     return [
         torch.optim.Muon(muon, lr=optim.muon_lr, weight_decay=optim.weight_decay),
         torch.optim.AdamW(rest, lr=optim.adamw_lr, weight_decay=optim.weight_decay),
@@ -128,7 +133,7 @@ def _plain_rank(cfg: Any, variant: str) -> list[dict[str, Any]]:
     data = spec.batches()
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = cfg.data.global_batch_size // world
-    lm = build_causal_lm(spec.model.config, seed=cfg.seed).train()
+    lm = build_causal_lm(spec.model.config, seed=cfg.seed, dtype=spec.dtype).train()
     for layer in lm.layers:
         fully_shard(layer)
     fully_shard(lm)
@@ -192,6 +197,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--global-batch", type=int, default=2)
+    parser.add_argument("--mesh", default="fsdp", help="hyperparallel's mesh (e.g. ep=2)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--name", default="full_size", help="result file name")
     args = parser.parse_args()
     if args.steps < 2:
@@ -212,7 +219,8 @@ def main() -> None:
     layers = f"{args.layers or published} of {published} layers"
     tokens = args.seq_len * args.global_batch
     table = BenchTable(
-        f"{card.id} at its published size ({layers}), 2 CPU ranks, {tokens} tokens per step "
+        f"{card.id} at its published size ({layers}, {args.dtype}), 2 CPU ranks "
+        f"(hyperparallel on --mesh {args.mesh}), {tokens} tokens per step "
         f"(median of {args.rounds} round{'s' if args.rounds > 1 else ''} x steps 2-{args.steps})",
         [
             "variant",
@@ -231,6 +239,8 @@ def main() -> None:
             "layers": args.layers,
             "seq_len": args.seq_len,
             "global_batch": args.global_batch,
+            "hyperparallel_mesh": args.mesh,
+            "dtype": args.dtype,
             "steps": args.steps,
             "rounds": args.rounds,
             "load_average_1_5_15_before": [round(x, 2) for x in load_before],

@@ -1,7 +1,8 @@
 """``modelzoo train CARD --full-size`` on 2 local ranks, its summary kept as a result file.
 
 Usage: python packages/modelzoo/benchmarks/full_size_train.py --out DIR [--card qwen3-0.6b]
-    [--layers N] [--steps 20] [--seq-len 256] [--batch-size 1] [--mesh fsdp] [--name NAME]
+    [--layers N] [--steps 20] [--seq-len 256] [--batch-size 1] [--mesh fsdp] [--dtype fp32]
+    [--name NAME]
 
 The run is exactly the command's (``torchmind_modelzoo.training.train`` with ``--full-size``, its
 checks, its ranks, its final checkpoint, in a temporary out-dir): the card's published config,
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=1, help="samples per rank per step")
     parser.add_argument("--mesh", default="fsdp")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--name", default=None, help="result file name (default: the card's)")
     args = parser.parse_args()
     card = registry.get(args.card)
@@ -45,6 +47,7 @@ def main() -> None:
             "steps": args.steps,
             "out_dir": tmp,
             "parallel": {"nproc": 2, "mesh": args.mesh},
+            "dtype": args.dtype,
             "data": {"seq_len": args.seq_len, "batch_size": args.batch_size},
         }
         options = TrainOptions(full_size=True, layers=args.layers, job=job)
@@ -60,6 +63,7 @@ def main() -> None:
             "card",
             "layers",
             "mesh",
+            "dtype",
             "tokens / step",
             "tokens/s",
             "forward+backward ms",
@@ -83,6 +87,7 @@ def main() -> None:
         card=card.id,
         layers=f"{kept} of {layers}",
         mesh=args.mesh,
+        dtype=args.dtype,
         **{
             "tokens / step": 2 * args.batch_size * args.seq_len,
             "tokens/s": medians["tokens_per_s"],
