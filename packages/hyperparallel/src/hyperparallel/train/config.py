@@ -9,12 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import Field, field_validator, model_validator
 
 from hyperparallel._config import StrictModel as _Strict
 from hyperparallel.activation.policy import POLICY_NAMES
 from hyperparallel.models.moe import MoEConfig
 from hyperparallel.train.profiling import parse_profile_steps
+
+PARAMETER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``dtype`` setting -> the parameters' torch dtype."""
 
 
 class DataConfig(_Strict):

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import os
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-"""Bytes per parameter of each ``dtype`` setting."""
+from hyperparallel.train.config import PARAMETER_DTYPES
 
 
 def physical_memory_bytes() -> int | None:
@@ -51,7 +50,7 @@ def check_host_memory(
         ValueError: naming the model, the estimate and the memory.
     """
     available = physical_memory_bytes() if available is None else available
-    need = parameters * DTYPE_BYTES[dtype] * ranks
+    need = parameters * PARAMETER_DTYPES[dtype].itemsize * ranks
     if available is None or need <= available:
         return
     copies = f"{ranks} ranks each build it whole" if ranks > 1 else "the rank builds it whole"

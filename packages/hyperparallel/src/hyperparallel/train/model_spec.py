@@ -24,11 +24,8 @@ from hyperparallel.optim.hybrid import Classifier
 from hyperparallel.parallel.expert import ExpertDispatchConfig
 from hyperparallel.parallel.mesh import MeshSet, ParallelDims
 from hyperparallel.parallel.pipeline import split_layers, stages_per_rank
-from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.config import PARAMETER_DTYPES, TrainConfig
 from hyperparallel.train.parallel_model import ParallelModel
-
-PARAMETER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""``dtype`` setting -> the parameters' torch dtype."""
 
 Losses = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 """``(inputs, targets) -> (mean cross-entropy, balance loss)`` of a whole (unpipelined) model."""
